@@ -1,0 +1,56 @@
+"""Fixed micro-batch size: the default, and the reference dynamic batching must match.
+
+The window is dealt as Megatron does: microbatch slot j of DP rank r holds window positions
+[(j*dp + r) * mbs, (j*dp + r + 1) * mbs). When the window does not fill the last slot on every
+rank, the ranks that run short get a smaller or an empty microbatch, so all ranks still run the
+same count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
+from .pricing import check_lengths, check_positive_int, microbatch_cost, pad_multiple, round_up
+
+
+def plan_fixed(
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    cp_size: int = 1,
+    micro_batch_size: int,
+    pad_to_multiple: int = 1,
+    overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
+) -> StepPlan:
+    lengths = check_lengths(lengths)
+    dp = check_positive_int("dp_size", dp_size)
+    cp = check_positive_int("cp_size", cp_size)
+    mbs = check_positive_int("micro_batch_size", micro_batch_size)
+    multiple = pad_multiple(check_positive_int("pad_to_multiple", pad_to_multiple), cp)
+    num_slots = -(-len(lengths) // (dp * mbs))
+    ranks: list[list[Microbatch]] = [[] for _ in range(dp)]
+    for slot in range(num_slots):
+        for rank in range(dp):
+            start = (slot * dp + rank) * mbs
+            indices = tuple(range(start, min(start + mbs, len(lengths))))
+            if not indices:
+                ranks[rank].append(EMPTY_MICROBATCH)
+                continue
+            padded_len = round_up(max(lengths[i] for i in indices), multiple)
+            ranks[rank].append(
+                Microbatch(
+                    indices=indices,
+                    padded_len=padded_len,
+                    cost=microbatch_cost(len(indices), padded_len, cp),
+                    tokens=sum(lengths[i] for i in indices),
+                )
+            )
+    return StepPlan(
+        ranks=tuple(tuple(r) for r in ranks),
+        cp_size=cp,
+        max_tokens_per_gpu=None,
+        pad_multiple=multiple,
+        kind=f"fixed_mbs{mbs}",
+        overhead=overhead,
+    )

@@ -1,0 +1,59 @@
+"""Synthetic sequence-length sets for simulations and benchmarks (seeded, standard library only)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sysconfig
+
+LENGTH_SETS = ("rl_longtail", "sft_lognormal", "uniform", "equal", "short", "embedded")
+
+
+def stdlib_source_files() -> list[str]:
+    """The running interpreter's standard-library .py files, sorted: real, long-tailed documents."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(found)
+
+
+def synthetic_lengths(name: str, count: int, *, seed: int = 0, cap: int = 8192) -> list[int]:
+    """``count`` lengths of the named shape, at most ``cap`` tokens.
+
+    rl_longtail: RL rollouts, prompt plus a heavy-tailed response, 15% of responses cut at the
+      generation cap. sft_lognormal: log-normal SFT conversations (median about cap/16).
+    uniform: uniform in [1, cap]. embedded: the standard library's source files (the embedded
+      data set), byte-level. equal: every sequence cap/4 tokens. short: mean about cap/40,
+      cap/16 at most (a chat/SFT set of short turns).
+    """
+    rng = random.Random(f"{name}:{seed}")
+    if name == "rl_longtail":
+        out = []
+        for _ in range(count):
+            prompt = rng.randint(cap // 64 + 1, cap // 8)
+            if rng.random() < 0.15:
+                out.append(cap)
+            else:
+                response = int(rng.paretovariate(1.2) * cap / 24)
+                out.append(min(cap, prompt + response))
+        return out
+    if name == "sft_lognormal":
+        mu = math.log(cap / 16)
+        return [max(1, min(cap, int(rng.lognormvariate(mu, 0.9)))) for _ in range(count)]
+    if name == "uniform":
+        return [rng.randint(1, cap) for _ in range(count)]
+    if name == "equal":
+        return [max(1, cap // 4)] * count
+    if name == "short":
+        mean = max(2.0, cap / 40)
+        return [max(1, min(cap // 16, int(rng.expovariate(1.0 / mean)) + 1)) for _ in range(count)]
+    if name == "embedded":
+        # Byte-level token counts of the standard library's source files, cut at the cap, drawn
+        # with replacement: the lengths of the embedded default data set.
+        sizes = [min(cap, max(1, os.path.getsize(f))) for f in stdlib_source_files()]
+        return [rng.choice(sizes) for _ in range(count)]
+    raise ValueError(f"unknown length set {name!r}; choose one of {', '.join(LENGTH_SETS)}")

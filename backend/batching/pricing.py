@@ -1,0 +1,70 @@
+"""How many tokens a microbatch puts on one GPU, and argument checks shared by the planners.
+
+With context parallelism of size c, a sequence is cut into 2c chunks and CP rank i keeps chunks
+i and 2c-1-i (load-balanced causal attention). So a sequence must be padded to a multiple of 2c,
+and to the user's ``pad_to_multiple``: m = lcm(pad_to_multiple, 2c), or m = pad_to_multiple when
+c = 1. A microbatch of n sequences padded to length L then holds n * roundup(L, m) / c tokens on
+each GPU: that, not the unpadded token count, is what the budget limits.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+
+def pad_multiple(pad_to_multiple: int, cp_size: int) -> int:
+    """The multiple every sequence is padded to: lcm(pad_to_multiple, 2*cp), or pad_to_multiple at cp 1."""
+    if cp_size == 1:
+        return pad_to_multiple
+    return math.lcm(pad_to_multiple, 2 * cp_size)
+
+
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def microbatch_cost(num_sequences: int, padded_len: int, cp_size: int) -> int:
+    """Tokens one GPU holds for a microbatch: n rows of padded_len, each split over cp ranks."""
+    return num_sequences * padded_len // cp_size
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Reject bools, floats and non-positive values with a ValueError that names the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+    return value
+
+
+def check_lengths(lengths: Sequence[int]) -> list[int]:
+    """Every length an integer >= 1 (numpy integers accepted); the window not empty."""
+    out = list(lengths)
+    if not out:
+        raise ValueError("lengths must not be empty: a window needs at least one sequence")
+    if all(type(n) is int for n in out) and min(out) >= 1:
+        return out
+    for i, n in enumerate(out):
+        try:
+            value = operator.index(n)
+        except TypeError:
+            value = None
+        if isinstance(n, bool) or value is None or value < 1:
+            raise ValueError(f"lengths[{i}] = {n!r}: every sequence length must be an integer >= 1")
+        out[i] = value
+    return out
+
+
+def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int:
+    """The budget must hold at least the smallest microbatch: one row padded to the multiple."""
+    budget = check_positive_int("max_tokens_per_gpu", max_tokens_per_gpu)
+    smallest = microbatch_cost(1, multiple, cp_size)
+    if budget < smallest:
+        raise ValueError(
+            f"max_tokens_per_gpu={budget} is below the smallest possible microbatch: one sequence "
+            f"padded to {multiple} tokens (lcm of pad_to_multiple and 2*cp_size) over cp_size={cp_size} "
+            f"holds {smallest} tokens per GPU; use max_tokens_per_gpu >= {smallest}"
+        )
+    return budget

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Plan synthetic or file-given length sets and compare the planner with two baselines.
+
+Schedulers, on the same windows: ``dynamic`` (this backend's planner), ``sort_and_stride`` (the
+widely used greedy) and ``fixed_mbs1`` (micro-batch size 1). Prints a table, or with ``--json``
+one JSON object per (length set, scheduler) line.
+
+    python tools/simulate_batching.py --dp 8 --cp 2 --max-tokens-per-gpu 16384 --json
+    python tools/simulate_batching.py --lengths-file lengths.txt --global-batch-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.batching import plan_dynamic, plan_fixed, plan_sort_and_stride  # noqa: E402
+from backend.batching.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
+from backend.batching.plan import DEFAULT_MICROBATCH_OVERHEAD  # noqa: E402
+
+SCHEDULERS = ("dynamic", "sort_and_stride", "fixed_mbs1")
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """One positive integer a line; blank lines and # comments are skipped. Errors name file:line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                raise SystemExit(f"{path}:{lineno}: expected one integer length, got {text!r}") from None
+            if value < 1:
+                raise SystemExit(f"{path}:{lineno}: a sequence length must be >= 1, got {value}")
+            out.append(value)
+    if not out:
+        raise SystemExit(f"{path}: no lengths found")
+    return out
+
+
+def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace):
+    common = dict(dp_size=args.dp, cp_size=args.cp, pad_to_multiple=args.pad_to_multiple, overhead=args.overhead)
+    if scheduler == "dynamic":
+        return plan_dynamic(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, **common)
+    if scheduler == "sort_and_stride":
+        return plan_sort_and_stride(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, **common)
+    return plan_fixed(lengths, micro_batch_size=1, **common)
+
+
+def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for scheduler in SCHEDULERS:
+        tokens = padded = microbatches = step_time = over = oversize = 0
+        coverage_ok, plan_ms, shapes = True, [], []
+        for lengths in windows:
+            start = time.perf_counter()
+            plan = plan_with(scheduler, lengths, args)
+            plan_ms.append((time.perf_counter() - start) * 1e3)
+            tokens += plan.tokens
+            padded += plan.padded_tokens
+            microbatches += plan.num_microbatches
+            step_time += plan.modelled_step_time
+            over += plan.over_budget_microbatches()
+            oversize += plan.oversize_singletons
+            coverage_ok &= plan.covers(len(lengths))
+            shapes.append(plan.distinct_shapes)
+        steps = len(windows)
+        rows.append(
+            {
+                "set": set_name,
+                "scheduler": scheduler,
+                "dp": args.dp,
+                "cp": args.cp,
+                "max_tokens_per_gpu": args.max_tokens_per_gpu,
+                "pad_to_multiple": args.pad_to_multiple,
+                "steps": steps,
+                "sequences_per_step": statistics.mean(len(w) for w in windows),
+                "padding_efficiency": tokens / padded,
+                "num_microbatches": microbatches / steps,
+                "modelled_step_time": step_time / steps,
+                "over_budget_microbatches": over,
+                "oversize_singletons": oversize,
+                "coverage_ok": coverage_ok,
+                "distinct_shapes": statistics.mean(shapes),
+                "plan_ms": statistics.median(plan_ms),
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'set':14} {'scheduler':16} {'pad_eff':>8} {'mbs/step':>9} {'step_time':>11} {'vs_dyn':>7} {'over':>5} {'oversz':>6} {'cover':>5} {'plan_ms':>8}"
+    print(head)
+    print("-" * len(head))
+    dyn = {r["set"]: r["modelled_step_time"] for r in rows if r["scheduler"] == "dynamic"}
+    for r in rows:
+        print(
+            f"{r['set']:14} {r['scheduler']:16} {r['padding_efficiency']:8.3f} {r['num_microbatches']:9.1f} "
+            f"{r['modelled_step_time']:11.0f} {r['modelled_step_time'] / dyn[r['set']]:7.2f} "
+            f"{r['over_budget_microbatches']:5d} {r['oversize_singletons']:6d} {str(r['coverage_ok']):>5} {r['plan_ms']:8.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", action="append", choices=LENGTH_SETS, help="length set (repeatable; default: all)")
+    p.add_argument("--lengths-file", help="file of lengths, one integer a line, cut into windows")
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    p.add_argument("--pad-to-multiple", type=int, default=1)
+    p.add_argument("--global-batch-size", type=int, default=512, help="sequences per optimizer step")
+    p.add_argument("--steps", type=int, default=4, help="windows per set")
+    p.add_argument("--cap", type=int, default=8192, help="longest synthetic length")
+    p.add_argument("--overhead", type=int, default=DEFAULT_MICROBATCH_OVERHEAD, help="per-microbatch cost, tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    args = p.parse_args(argv)
+    for name in ("dp", "cp", "max_tokens_per_gpu", "pad_to_multiple", "global_batch_size", "steps", "cap"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+    sets: dict[str, list[list[int]]] = {}
+    gbs = args.global_batch_size
+    if args.lengths_file:
+        lengths = read_lengths_file(args.lengths_file)
+        # Every length is planned: the last window may be shorter than the global batch size.
+        windows = [lengths[i : i + gbs] for i in range(0, len(lengths), gbs)][: args.steps]
+        sets[Path(args.lengths_file).name] = windows
+    for name in args.set or ([] if args.lengths_file else LENGTH_SETS):
+        sets[name] = [
+            synthetic_lengths(name, gbs, seed=args.seed * 1000 + step, cap=args.cap) for step in range(args.steps)
+        ]
+    try:
+        rows = [row for name, windows in sets.items() for row in simulate(name, windows, args)]
+    except ValueError as e:
+        p.error(str(e))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
