@@ -1,0 +1,94 @@
+"""Load a config: YAML files (with ``defaults:`` inheritance), then dotted overrides, then one
+validation pass. OmegaConf in struct mode rejects unknown keys; every error names the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from .schema import Config
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the dotted key and what is allowed."""
+
+
+def _allowed_keys(dotted: str) -> str:
+    """The keys allowed beside an unknown dotted key, for the error message."""
+    node: object = Config()
+    for part in dotted.split(".")[:-1]:
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return ""
+        node = getattr(node, part)
+    if not dataclasses.is_dataclass(node):
+        return ""
+    return ", ".join(f.name for f in dataclasses.fields(node))
+
+
+def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "?"
+    if isinstance(exc, ConfigKeyError) or "not in" in str(exc):
+        parent = key.rsplit(".", 1)[0] if "." in key else "<top level>"
+        allowed = _allowed_keys(key)
+        return ConfigError(f"{source}: unknown config key '{key}' (allowed keys in '{parent}': {allowed})")
+    first_line = str(exc).splitlines()[0]
+    return ConfigError(f"{source}: bad value for '{key}': {first_line}")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictConfig]]:
+    """The file's ``defaults`` (paths relative to it, merged first, in order), then the file."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'defaults' includes itself: {' -> '.join(map(str, (*seen, path)))}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, train, ...)")
+    defaults = data.pop("defaults", []) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    layers: list[tuple[str, DictConfig]] = []
+    for base in defaults:
+        layers.extend(_read_yaml(path.parent / str(base), (*seen, path)))
+    layers.append((str(path), OmegaConf.create(data)))
+    return layers
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Build the resolved Config (not yet validated against a world size: see ``validate``)."""
+    cfg = OmegaConf.structured(Config)
+    OmegaConf.set_struct(cfg, True)
+    layers = _read_yaml(Path(path)) if path is not None else []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.train_iters=20")
+        layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, source) from None
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "config") from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg), encoding="utf-8")

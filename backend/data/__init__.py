@@ -1,0 +1,1 @@
+"""Datasets (.bin/.idx, JSONL, embedded), tokenizers, the window sampler and the data iterator."""

@@ -1,0 +1,32 @@
+"""From ``data`` config to a dataset: embedded, JSONL or .bin/.idx, length-limited."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .embedded import build_embedded
+from .indexed import IndexedTokenDataset, indexed_exists
+from .jsonl import InMemoryDataset, read_jsonl
+from .overlong import LengthLimitedDataset
+from .tokenizers import build_tokenizer
+
+
+def build_dataset(data_cfg) -> tuple[LengthLimitedDataset, object]:
+    """(dataset, tokenizer). The dataset never yields a sample over data.max_seq_length."""
+    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    path = data_cfg.path
+    if path == "embedded":
+        if data_cfg.tokenizer != "byte":
+            raise ValueError("data.path=embedded is byte-level: set data.tokenizer=byte")
+        base = IndexedTokenDataset(build_embedded(data_cfg.cache_dir))
+    elif path.endswith(".jsonl"):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"data.path: no such file {path}")
+        base = InMemoryDataset(list(read_jsonl(path, tokenizer, data_cfg.json_key)), source=path)
+    elif indexed_exists(path):
+        base = IndexedTokenDataset(path)
+    else:
+        raise FileNotFoundError(
+            f"data.path={path!r}: expected 'embedded', a .jsonl file, or the prefix of a .bin/.idx pair"
+        )
+    return LengthLimitedDataset(base, data_cfg.max_seq_length, data_cfg.overlong), tokenizer

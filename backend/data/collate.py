@@ -1,0 +1,108 @@
+"""Microbatch tensors: right-padded to the microbatch's local padded length, then cut for CP.
+
+Context parallelism splits each padded row into 2*cp chunks; CP rank i keeps chunks i and
+2cp-1-i, so every CP rank gets the same share of causal-attention work. Position ids are cut the
+same way and stay global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backend.batching import Microbatch
+
+from .sample import Sample
+
+
+@dataclass
+class MicrobatchTensors:
+    """One microbatch on one GPU. Shapes are [rows, padded_len / cp]; an empty one has 0 rows."""
+
+    tokens: torch.Tensor  # int64 input ids, 0 at padding
+    labels: torch.Tensor  # int64 next-token targets, 0 where there is none
+    loss_mask: torch.Tensor  # float32 1 where the position's label counts
+    loss_weight: torch.Tensor  # float32 per-position weight (loss_mask * sample weight)
+    position_ids: torch.Tensor  # int64 global positions
+    valid: torch.Tensor  # bool: a real token (padding is never attended)
+    seq_lengths: torch.Tensor  # int64 [rows] real lengths before padding
+    sample_ids: torch.Tensor  # int64 [rows] dataset indices
+    padded_len: int  # row length before the CP cut
+
+    @property
+    def is_empty(self) -> bool:
+        return self.tokens.shape[0] == 0
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def to(self, device) -> MicrobatchTensors:
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicrobatchTensors(**moved)
+
+
+def cp_shard(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """Keep chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size along ``dim``."""
+    if cp_size == 1:
+        return x
+    length = x.shape[dim]
+    if length % (2 * cp_size):
+        raise ValueError(f"a CP row of {length} tokens is not a multiple of 2*cp_size={2 * cp_size}")
+    if not length:  # an empty microbatch stays empty
+        return x
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+
+
+def cp_unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of cp_shard over all CP ranks' parts (for tests and gathering outputs)."""
+    cp_size = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[rank], chunks[2 * cp_size - 1 - rank] = first, second
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def collate(
+    samples: list[Sample], sample_ids: list[int], mb: Microbatch, *, cp_rank: int = 0, cp_size: int = 1
+) -> MicrobatchTensors:
+    """Right-pad ``samples`` to ``mb.padded_len`` and cut this CP rank's chunks."""
+    rows, length = len(samples), mb.padded_len
+    tokens = np.zeros((rows, length), dtype=np.int64)
+    labels = np.zeros((rows, length), dtype=np.int64)
+    loss_mask = np.zeros((rows, length), dtype=np.float32)
+    loss_weight = np.zeros((rows, length), dtype=np.float32)
+    valid = np.zeros((rows, length), dtype=bool)
+    seq_lengths = np.zeros(rows, dtype=np.int64)
+    for r, s in enumerate(samples):
+        n = len(s.tokens)
+        if n > length:
+            raise ValueError(f"sample {sample_ids[r]} has {n} tokens, over the microbatch's padded length {length}")
+        seq_lengths[r] = n
+        tokens[r, :n] = s.tokens
+        labels[r, : n - 1] = s.tokens[1:]
+        target = np.ones(n - 1, dtype=np.float32) if s.loss_mask is None else s.loss_mask[1:].astype(np.float32)
+        loss_mask[r, : n - 1] = target
+        weight = np.ones(n - 1, dtype=np.float32) if s.loss_weight is None else s.loss_weight[1:]
+        loss_weight[r, : n - 1] = target * weight
+        valid[r, :n] = True
+    position_ids = np.tile(np.arange(length, dtype=np.int64), (rows, 1))
+
+    def cut(a: np.ndarray) -> torch.Tensor:
+        return cp_shard(torch.from_numpy(np.ascontiguousarray(a)), cp_rank, cp_size)
+
+    return MicrobatchTensors(
+        tokens=cut(tokens),
+        labels=cut(labels),
+        loss_mask=cut(loss_mask),
+        loss_weight=cut(loss_weight),
+        position_ids=cut(position_ids),
+        valid=cut(valid),
+        seq_lengths=torch.from_numpy(seq_lengths),
+        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+        padded_len=length,
+    )

@@ -1,0 +1,98 @@
+"""The data iterator: for this rank, one optimizer window at a time, planned and collated.
+
+Every rank reads the whole window's lengths from the dataset index and computes the same plan
+locally (no collective to plan); it then reads only its own samples.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.batching import StepPlan, plan_dynamic, plan_fixed
+
+from .collate import MicrobatchTensors, collate
+from .sampler import WindowSampler
+
+Planner = Callable[[list[int]], StepPlan]
+
+
+def planner_from_config(train_cfg, *, dp_size: int, cp_size: int, forward: bool = False) -> Planner:
+    """plan_dynamic under the token budget when dynamic batching is on, else plan_fixed."""
+    if train_cfg.dynamic_batch_enable or forward:
+        budget = train_cfg.max_tokens_per_gpu
+        if forward and train_cfg.forward_max_tokens_per_gpu:
+            budget = train_cfg.forward_max_tokens_per_gpu
+        if budget:
+            return functools.partial(
+                plan_dynamic,
+                dp_size=dp_size,
+                cp_size=cp_size,
+                max_tokens_per_gpu=budget,
+                pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
+                overhead=train_cfg.dynamic_batch_overhead,
+            )
+    return functools.partial(
+        plan_fixed,
+        dp_size=dp_size,
+        cp_size=cp_size,
+        micro_batch_size=train_cfg.micro_batch_size,
+        pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
+        overhead=train_cfg.dynamic_batch_overhead,
+    )
+
+
+@dataclass
+class StepData:
+    """One optimizer window as seen by one rank."""
+
+    window_ids: np.ndarray  # dataset indices of the whole window, in stream order
+    plan: StepPlan
+    microbatches: list[MicrobatchTensors]  # this rank's, in execution order, CP-cut
+    global_loss_tokens: int  # prediction targets in the whole window: the loss normaliser
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+
+def collate_plan(dataset, window_ids, plan: StepPlan, *, dp_rank: int, cp_rank: int, cp_size: int) -> list[MicrobatchTensors]:
+    out = []
+    for mb in plan.microbatches(dp_rank):
+        ids = [int(window_ids[i]) for i in mb.indices]
+        out.append(collate([dataset[i] for i in ids], ids, mb, cp_rank=cp_rank, cp_size=cp_size))
+    return out
+
+
+class DataIterator:
+    """Yields StepData for (dp_rank, cp_rank), window after window, forever."""
+
+    def __init__(self, dataset, sampler: WindowSampler, planner: Planner, *, dp_rank: int, cp_rank: int, cp_size: int):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.planner = planner
+        self.dp_rank, self.cp_rank, self.cp_size = dp_rank, cp_rank, cp_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepData:
+        window_ids = self.sampler.next_window()
+        plan = self.planner([int(n) for n in self.dataset.lengths[window_ids]])
+        return StepData(
+            window_ids=window_ids,
+            plan=plan,
+            microbatches=collate_plan(
+                self.dataset, window_ids, plan, dp_rank=self.dp_rank, cp_rank=self.cp_rank, cp_size=self.cp_size
+            ),
+            global_loss_tokens=int(self.dataset.loss_token_counts[window_ids].sum()),
+        )
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,86 @@
+"""JSONL data: one JSON object a line, with text or token ids, optional loss mask and weight.
+
+    {"text": "..."}                                  tokenised with data.tokenizer
+    {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "loss_weight": [0.0, 0.5, 0.5]}
+
+Any malformed line stops the load with an error naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .sample import Sample
+
+
+class DataFormatError(ValueError):
+    """A malformed data row: the message starts with FILE:LINE."""
+
+
+def _int_list(value, what: str, where: str, limit: int | None = None) -> np.ndarray:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DataFormatError(f"{where}: '{what}' must be a list of integers")
+    arr = np.asarray(value, dtype=np.int64)
+    if len(arr) and (arr.min() < 0 or (limit is not None and arr.max() >= limit)):
+        raise DataFormatError(f"{where}: '{what}' holds ids outside [0, {limit})")
+    return arr
+
+
+def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[Sample]:
+    """Yield one Sample per non-blank line of ``path``."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            if "input_ids" in row:
+                tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size)
+            elif json_key in row:
+                if not isinstance(row[json_key], str):
+                    raise DataFormatError(f"{where}: '{json_key}' must be a string")
+                tokens = np.asarray(tokenizer.encode(row[json_key]), dtype=np.int64)
+            else:
+                raise DataFormatError(f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})")
+            if len(tokens) == 0:
+                raise DataFormatError(f"{where}: the sample has no tokens")
+            mask = weight = None
+            if "loss_mask" in row:
+                mask = _int_list(row["loss_mask"], "loss_mask", where).astype(np.uint8)
+                if len(mask) != len(tokens) or mask.max(initial=0) > 1:
+                    raise DataFormatError(f"{where}: 'loss_mask' needs {len(tokens)} entries of 0 or 1, one per token")
+            if "loss_weight" in row:
+                w = row["loss_weight"]
+                if not isinstance(w, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in w):
+                    raise DataFormatError(f"{where}: 'loss_weight' must be a list of numbers")
+                weight = np.asarray(w, dtype=np.float32)
+                if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
+                    raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
+            yield Sample(tokens=tokens, loss_mask=mask, loss_weight=weight)
+
+
+class InMemoryDataset:
+    """Samples held in memory (JSONL sources, tests)."""
+
+    def __init__(self, samples: list[Sample], source: str):
+        self.samples = samples
+        self.source = source
+        self.lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
+        self.loss_token_counts = np.array([s.loss_tokens() for s in samples], dtype=np.int64)
+        self.has_loss_weight = any(s.loss_weight is not None for s in samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[int(index)]

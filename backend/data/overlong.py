@@ -1,0 +1,91 @@
+"""Samples longer than ``data.max_seq_length``: error (default), truncate or drop; always counted."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+class OverlongError(ValueError):
+    pass
+
+
+@dataclass
+class OverlongReport:
+    max_seq_length: int
+    policy: str
+    truncated: int = 0
+    dropped: int = 0
+    truncated_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "overlong_policy": self.policy,
+            "overlong_truncated": self.truncated,
+            "overlong_dropped": self.dropped,
+            "overlong_truncated_tokens": self.truncated_tokens,
+        }
+
+
+class LengthLimitedDataset:
+    """A view of ``base`` in which no sample exceeds ``max_seq_length`` tokens."""
+
+    def __init__(self, base, max_seq_length: int, policy: str):
+        self.base = base
+        self.source = base.source
+        self.has_loss_weight = getattr(base, "has_loss_weight", False)
+        self.max_seq_length = max_seq_length
+        lengths = np.asarray(base.lengths, dtype=np.int64)
+        over = np.flatnonzero(lengths > max_seq_length)
+        self.report = OverlongReport(max_seq_length, policy)
+        if len(over) and policy == "error":
+            first = int(over[0])
+            raise OverlongError(
+                f"{base.source}: sample {first} has {int(lengths[first])} tokens, over data.max_seq_length="
+                f"{max_seq_length} ({len(over)} sample(s) in all); set data.overlong to truncate or drop, or "
+                f"raise data.max_seq_length"
+            )
+        counts = np.asarray(base.loss_token_counts, dtype=np.int64).copy()
+        if policy == "drop":
+            self.ids = np.setdiff1d(np.arange(len(lengths)), over)
+            self.report.dropped = len(over)
+        else:
+            self.ids = np.arange(len(lengths))
+            self.report.truncated = len(over)
+            self.report.truncated_tokens = int((lengths[over] - max_seq_length).sum())
+            for i in over:  # recount targets of the truncated samples only
+                counts[i] = self._cut(base[int(i)]).loss_tokens()
+        self.lengths = np.minimum(lengths[self.ids], max_seq_length)
+        self.loss_token_counts = counts[self.ids]
+        if len(over) and policy != "error":
+            log.warning(
+                "%s: %d sample(s) over data.max_seq_length=%d were %s",
+                base.source,
+                len(over),
+                max_seq_length,
+                "dropped" if policy == "drop" else "truncated",
+            )
+        if len(self.ids) == 0:
+            raise OverlongError(f"{base.source}: every sample is over data.max_seq_length={max_seq_length}")
+
+    def _cut(self, s: Sample) -> Sample:
+        n = self.max_seq_length
+        if len(s.tokens) <= n:
+            return s
+        return Sample(
+            tokens=s.tokens[:n],
+            loss_mask=None if s.loss_mask is None else s.loss_mask[:n],
+            loss_weight=None if s.loss_weight is None else s.loss_weight[:n],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self._cut(self.base[int(self.ids[int(index)])])

@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Turn a JSONL file into a Megatron .bin/.idx data set (plus loss mask / weight siblings).
+
+    python tools/preprocess_data.py --input data.jsonl --output-prefix data/train --tokenizer byte
+
+Each line holds "text" (or --json-key) or "input_ids", and optionally per-token "loss_mask" and
+"loss_weight". A malformed line stops the run with its file and line number; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.data.indexed import write_indexed  # noqa: E402
+from backend.data.jsonl import DataFormatError, read_jsonl  # noqa: E402
+from backend.data.tokenizers import build_tokenizer  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="JSONL file")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
+    p.add_argument("--json-key", default="text", help="field holding the text")
+    args = p.parse_args(argv)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer)
+        samples = list(read_jsonl(args.input, tokenizer, args.json_key))
+    except (DataFormatError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not samples:
+        print(f"error: {args.input}: no samples", file=sys.stderr)
+        return 1
+    count = write_indexed(args.output_prefix, samples, tokenizer.vocab_size)
+    tokens = sum(len(s.tokens) for s in samples)
+    print(f"wrote {count} samples, {tokens} tokens to {args.output_prefix}.bin/.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
