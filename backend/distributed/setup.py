@@ -1,0 +1,93 @@
+"""Process groups: torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core parallel_state.
+
+Ranks are laid out as megatron-core does with tensor and pipeline parallel size 1: the context-
+parallel rank varies fastest, so rank = dp_rank * cp + cp_rank. Gradients are reduced over the
+whole data x context parallel group (CP ranks hold different tokens of the same sequences).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from backend.model.compat import import_megatron_module
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+    device: torch.device
+    cp_group: object  # None when cp_size == 1
+    dp_group: object
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600.0) -> ParallelEnv:
+    """Join (or, run without torchrun, form a one-process) world and build the parallel groups."""
+    if "RANK" not in os.environ:  # a plain `python -m backend.train`: a world of one on loopback
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % cp_size:
+        raise ValueError(f"parallel.context_parallel_size={cp_size} must divide the world size {world}")
+    ps = import_megatron_module("megatron.core.parallel_state")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp_size
+        )
+    env = ParallelEnv(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=local_rank,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        device=device,
+        cp_group=ps.get_context_parallel_group() if cp_size > 1 else None,
+        dp_group=ps.get_data_parallel_group(),
+    )
+    if env.dp_rank * env.cp_size + env.cp_rank != env.rank:
+        raise RuntimeError(f"unexpected rank layout: rank {env.rank} is dp {env.dp_rank}, cp {env.cp_rank}")
+    return env
+
+
+def shutdown_distributed() -> None:
+    ps = import_megatron_module("megatron.core.parallel_state")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Step metrics: console progress, metrics.jsonl and wandb."""

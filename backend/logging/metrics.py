@@ -1,0 +1,77 @@
+"""Per-step metrics to the console (a progress line), ``metrics.jsonl`` and wandb (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from backend.batching import StepPlan
+
+REQUIRED_KEYS = (
+    "step", "loss", "grad_norm", "lr", "tokens", "padded_tokens", "padding_efficiency", "num_microbatches",
+    "oversize_singletons", "step_time_s", "tokens_per_s", "peak_memory_bytes",
+)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated bytes this step. CPU: the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def plan_metrics(plan: StepPlan, dp_rank: int) -> dict:
+    """The dynamic-batching diagnostics of one step's plan."""
+    per_rank_eff = []
+    for rank in plan.ranks:
+        padded = sum(len(mb.indices) * mb.padded_len for mb in rank)
+        per_rank_eff.append(sum(mb.tokens for mb in rank) / padded if padded else 1.0)
+    return {
+        "tokens": plan.tokens,
+        "padded_tokens": plan.padded_tokens,
+        "padding_efficiency": plan.padding_efficiency,
+        "padding_efficiency_min_rank": min(per_rank_eff),
+        "padding_efficiency_this_rank": per_rank_eff[dp_rank],
+        "num_microbatches": plan.num_microbatches,
+        "oversize_singletons": plan.oversize_singletons,
+        "empty_microbatches": plan.empty_microbatches,
+        "rank_imbalance": plan.rank_imbalance,
+        "distinct_shapes": plan.distinct_shapes,
+        "modelled_step_time": plan.modelled_step_time,
+        "plan_fingerprint": plan.fingerprint,
+    }
+
+
+class MetricsLogger:
+    """Writes one JSON object per step; prints a progress line; forwards to a wandb run if any."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, *, enabled: bool, wandb_run=None, log_interval: int = 1):
+        self.enabled = enabled
+        self.total = total_steps
+        self.wandb_run = wandb_run
+        self.log_interval = log_interval
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
+        step = metrics["step"]
+        if step % self.log_interval == 0 or step == self.total:
+            done = int(20 * step / max(1, self.total))
+            print(
+                f"[{'#' * done}{'.' * (20 - done)}] step {step}/{self.total} | loss {metrics['loss']:.4f} | "
+                f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['num_microbatches']} mbs | "
+                f"pad eff {metrics['padding_efficiency']:.3f} | {metrics['step_time_s']:.2f} s",
+                file=sys.stdout,
+                flush=True,
+            )

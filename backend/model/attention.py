@@ -1,0 +1,220 @@
+"""Core attention behind one interface: ``sdpa``, ``flex`` and ``te``, chosen by name.
+
+megatron-core builds each layer's ``core_attention`` from the layer spec; we put our own module
+there. It receives query/key/value as [s, b, heads, head_dim] and whatever the model was given
+as ``attention_mask``: we pass an ``AttentionContext`` holding the microbatch's global positions
+and validity (right padding), so every backend runs the microbatch's local padded shape with
+the same semantics: causal on global positions, padded keys never attended. RoPE is applied
+here from the global positions, which keeps it correct under context parallelism and needs
+none of megatron-core's CUDA-only rotary code.
+
+Under context parallelism each rank holds two chunks of every row's queries; keys and values
+are all-gathered across the CP group (the backward reduce-scatters their gradients back to the
+owners) and masked by global position, so the gathered order does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .compat import import_megatron_module, te_status
+
+log = logging.getLogger(__name__)
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather along dim 0 of a [s, ...] tensor; backward sums gradients back to the owners."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        out = torch.empty((grad.shape[0] // world, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def gather_cp(x: torch.Tensor, group, differentiable: bool = True) -> torch.Tensor:
+    """[s_local, ...] from every CP rank, concatenated in rank order along dim 0."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    if differentiable:
+        return _GatherFromCP.apply(x, group)
+    return _gather_plain(x, group)
+
+
+def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+@dataclass
+class AttentionContext:
+    """One microbatch's attention facts, shared by every layer (built once per microbatch)."""
+
+    positions: torch.Tensor  # [b, s_local] int64 global positions of this rank's tokens
+    valid: torch.Tensor  # [b, s_local] bool, False at right padding
+    cp_group: object = None
+    rotary_base: float = 10000.0
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def key_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, valid) of every key: this rank's, or the CP group's gathered."""
+        if "keys" not in self._cache:
+            pos, valid = self.positions, self.valid
+            if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+                pos = _gather_plain(pos.t(), self.cp_group).t()
+                valid = _gather_plain(valid.t().to(torch.uint8), self.cp_group).t().bool()
+            self._cache["keys"] = (pos, valid)
+        return self._cache["keys"]
+
+    def dense_mask(self) -> torch.Tensor:
+        """[b, 1, s_q, s_k] bool, True where a query may attend a key."""
+        if "dense" not in self._cache:
+            kpos, kvalid = self.key_positions()
+            mask = (kpos[:, None, :] <= self.positions[:, :, None]) & kvalid[:, None, :]
+            self._cache["dense"] = mask[:, None]
+        return self._cache["dense"]
+
+    def rope(self, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as [s, b, 1, head_dim] for this rank's positions (rotate-half layout)."""
+        key = ("rope", head_dim, dtype)
+        if key not in self._cache:
+            device = self.positions.device
+            inv_freq = 1.0 / (self.rotary_base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+            angles = self.positions.t().to(torch.float32)[..., None] * inv_freq  # [s, b, d/2]
+            angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+            self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._cache[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---- kernels: q [b, h, sq, d], k/v [b, hk, sk, d] -> [b, h, sq, d] ---------------------------------
+
+
+def sdpa_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.dense_mask(), scale=scale, enable_gqa=True)
+
+
+_compiled_flex: dict[str, Callable] = {}
+
+
+def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "block_mask" not in ctx._cache:
+        kpos, kvalid = ctx.key_positions()
+        qpos = ctx.positions
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kpos[b, kv_idx] <= qpos[b, q_idx]) & kvalid[b, kv_idx]
+
+        # Blocks whose keys are all padding or all in the future are skipped entirely.
+        ctx._cache["block_mask"] = create_block_mask(
+            mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128
+        )
+    fn = flex_attention
+    if q.is_cuda:
+        if "fn" not in _compiled_flex:
+            _compiled_flex["fn"] = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex["fn"]
+    return fn(q, k, v, block_mask=ctx._cache["block_mask"], scale=scale, enable_gqa=True)
+
+
+def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
+    import transformer_engine.pytorch as te
+
+    attn = te.DotProductAttention(
+        num_heads, head_dim, num_gqa_groups=num_kv, attention_dropout=0.0, qkv_format="bshd",
+        attn_mask_type="arbitrary", softmax_scale=scale,
+    )
+
+    def kernel(q, k, v, ctx: AttentionContext, _scale: float) -> torch.Tensor:
+        # TE takes [b, s, h, d] and a mask that is True where attention is NOT allowed.
+        out = attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask=~ctx.dense_mask())
+        return out.view(q.shape[0], q.shape[2], num_heads, head_dim).transpose(1, 2)
+
+    return attn, kernel
+
+
+BACKENDS = ("sdpa", "flex", "te")
+
+
+def resolve_backend(name: str, *, device: torch.device, training: bool = True) -> str:
+    """The backend to use for ``model.attention_backend``; ``auto`` picks and logs, never silently."""
+    te_ok, te_why = te_status()
+    if name == "auto":
+        if device.type == "cuda" and te_ok:
+            choice, why = "te", "CUDA and Transformer Engine are available"
+        elif device.type == "cuda":
+            choice, why = "flex", f"CUDA without Transformer Engine ({te_why})"
+        else:
+            choice, why = "sdpa", "no CUDA device: SDPA is the CPU training path"
+        log.info("model.attention_backend=auto -> %s (%s)", choice, why)
+        return choice
+    if name == "te" and not (te_ok and device.type == "cuda"):
+        raise RuntimeError(f"model.attention_backend=te needs CUDA and Transformer Engine: {te_why}; device={device}")
+    if name == "flex" and training and device.type != "cuda":
+        raise RuntimeError(
+            "model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward); "
+            "use sdpa on CPU, or flex for forward-only passes"
+        )
+    if name not in BACKENDS:
+        raise ValueError(f"model.attention_backend={name!r}: allowed values are auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def make_core_attention(backend: str):
+    """A megatron-core core-attention module class running ``backend``."""
+    megatron_module = import_megatron_module("megatron.core.transformer.module").MegatronModule
+
+    class CoreAttention(megatron_module):
+        def __init__(self, config, layer_number, attn_mask_type=None, attention_type=None, cp_comm_type=None,
+                     softmax_scale=None, pg_collection=None, **_):
+            super().__init__(config=config)
+            self.num_heads = config.num_attention_heads
+            self.num_kv = config.num_query_groups or config.num_attention_heads
+            self.head_dim = config.kv_channels
+            self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
+            self.backend = backend
+            if backend == "te":
+                self.te_attention, self.kernel = te_kernel_factory(self.num_heads, self.num_kv, self.head_dim, self.scale)
+            else:
+                self.kernel = sdpa_kernel if backend == "sdpa" else flex_kernel
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            ctx: AttentionContext = attention_mask
+            if not isinstance(ctx, AttentionContext):
+                raise TypeError("CoreAttention needs an AttentionContext as attention_mask (see backend.model.forward)")
+            s, b = query.shape[0], query.shape[1]
+            cos, sin = ctx.rope(self.head_dim, query.dtype)
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+            key, value = gather_cp(key, ctx.cp_group), gather_cp(value, ctx.cp_group)
+            # [s, b, h, d] -> [b, h, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = self.kernel(q, k, v, ctx, self.scale)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+    CoreAttention.__name__ = f"{backend.capitalize()}CoreAttention"
+    return CoreAttention

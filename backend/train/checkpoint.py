@@ -1,0 +1,101 @@
+"""Checkpoints: model and optimizer through torch.distributed.checkpoint, plus step, scheduler,
+data-stream, RNG and run metadata. Written atomically: everything goes to a hidden temporary
+directory that is renamed into place only when complete, so a kill at any moment leaves either
+the previous complete checkpoint or the new one, never half of one. Loading never unpickles:
+DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a directory is complete once it has its final name)."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int) -> Path:
+    root = Path(ckpt_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp_step_{step:08d}"
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    rng = {"cpu": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    torch.save(rng, tmp / f"rng_rank{env.rank}.pt")
+    if env.is_main:
+        meta = {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "world_size": env.world_size,
+            "dp_size": env.dp_size,
+            "cp_size": env.cp_size,
+            **extra,
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+    dist.barrier()
+    if env.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the commit point
+        if keep_last:
+            for old in complete_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, *, env, allow_dp_change: bool) -> dict:
+    """Restore in place; returns the metadata (step, data state, ...)."""
+    path = Path(path)
+    meta = json.loads((path / META).read_text())
+    if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not allow_dp_change):
+        raise ResumeError(
+            f"{path} was written with data-parallel size {meta['dp_size']} and context-parallel size "
+            f"{meta['cp_size']}; this run has {env.dp_size} and {env.cp_size}. Resuming would change the data "
+            f"order and plans; keep the layout, or set checkpoint.allow_dp_change=true to accept a new order "
+            f"(context-parallel size must match)"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / f"rng_rank{env.rank}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], env.device)
+    log.info("resumed from %s (step %d)", path, meta["step"])
+    return meta

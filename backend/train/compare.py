@@ -1,0 +1,108 @@
+"""Fixed versus dynamic microbatching on the same samples from the same initial weights.
+
+Each arm is a real run in its own process group (``torchrun``), so its memory and time are its
+own. Both arms build the model from the same seed and draw the same optimizer windows; they
+differ only in the plan (or in the layout, e.g. dp 1 against dp 2). Rank 0 of each arm records,
+per step, the window loss, the full gradient (before clipping) and the full parameter update.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _full_flat(tensors) -> torch.Tensor:
+    parts = []
+    for t in tensors:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        parts.append(t.detach().reshape(-1).double().cpu())
+    return torch.cat(parts)
+
+
+def worker(argv: list[str]) -> int:
+    """One arm, inside torchrun: ``python -m backend.train.compare OUT STEPS CONFIG [overrides]``."""
+    out, steps, config, *overrides = argv
+    from backend.config import load_config, validate
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.logging.metrics import peak_memory_bytes
+    from backend.train.trainer import Trainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = validate(load_config(config, [*overrides, "checkpoint.resume=false", "logger.wandb.enable=false"]), world)
+    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+    try:
+        trainer = Trainer(cfg, env)
+        params = [p for p in trainer.model.parameters()]
+        record: dict = {"loss": [], "grad_norm": [], "grad": [], "update": [], "step_time_s": [], "num_microbatches": [],
+                        "padding_efficiency": []}
+        for _ in range(int(steps)):
+            before = _full_flat(params)
+            grads: dict = {}
+            metrics = trainer.train_one_step(on_grads=lambda m: grads.update(g=_full_flat(p.grad for p in params)))
+            record["update"].append(_full_flat(params) - before)
+            record["grad"].append(grads["g"])
+            for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
+                record[key].append(metrics[key])
+        record["params"] = _full_flat(params)
+        peak = torch.tensor([peak_memory_bytes(env.device)], dtype=torch.int64, device=env.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        record["peak_memory_bytes"] = int(peak.item())
+        record["world_size"] = env.world_size
+        if env.is_main:
+            torch.save(record, out)
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+def run_arm(config: str, overrides: list[str], *, nproc: int, steps: int, out_dir: Path, name: str, timeout: float = 1800) -> dict:
+    """Launch one arm under torchrun and load what its rank 0 recorded."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}.pt"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "backend.train.compare", str(out), str(steps), config,
+        *overrides, f"logger.run_dir={out_dir / name}",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"arm {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return torch.load(out, weights_only=True)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def compare(ref: dict, other: dict) -> dict:
+    """Agreement of ``other`` with ``ref`` (worst step) and their time and memory."""
+    steps = len(ref["loss"])
+    warm = slice(1, None) if steps > 1 else slice(None)
+    return {
+        "steps": steps,
+        "loss_ref": ref["loss"],
+        "loss_other": other["loss"],
+        "loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], other["loss"])),
+        "grad_cosine": min(_cos(a, b) for a, b in zip(ref["grad"], other["grad"])),
+        "update_cosine": min(_cos(a, b) for a, b in zip(ref["update"], other["update"])),
+        "rel_update_diff": max(float((a - b).norm() / a.norm()) for a, b in zip(ref["update"], other["update"])),
+        "max_param_diff": float((ref["params"] - other["params"]).abs().max()),
+        "step_time_ratio": statistics.median(ref["step_time_s"][warm]) / statistics.median(other["step_time_s"][warm]),
+        "peak_memory_diff_bytes": ref["peak_memory_bytes"] - other["peak_memory_bytes"],
+        "num_microbatches_ref": statistics.mean(ref["num_microbatches"]),
+        "num_microbatches_other": statistics.mean(other["num_microbatches"]),
+        "padding_efficiency_ref": statistics.mean(ref["padding_efficiency"]),
+        "padding_efficiency_other": statistics.mean(other["padding_efficiency"]),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1:]))

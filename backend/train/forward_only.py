@@ -1,0 +1,47 @@
+"""Forward-only passes: per-token log-probabilities of many samples under a token budget.
+
+Used for reference/old-policy log-probs in RL and for evaluation. Samples are planned with the
+forward budget (``train.forward_max_tokens_per_gpu``), right-padded, run, cropped back to each
+sample's length and returned in the caller's order on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backend.data.collate import collate, cp_unshard
+from backend.data.sample import Sample
+from backend.model.builder import token_losses
+
+from .step import placeholder_microbatch
+
+
+@torch.no_grad()
+def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
+    """For each sample of n tokens, n-1 values: log p(token t | tokens before t), t = 1..n-1."""
+    model.eval()
+    plan = planner([len(s.tokens) for s in samples])
+    mine: dict[int, np.ndarray] = {}
+    for mb in plan.microbatches(env.dp_rank):
+        if mb.is_empty:  # keep FSDP's per-forward collectives in step with the other ranks
+            batch = placeholder_microbatch(env.cp_size).to(env.device)
+            token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
+            continue
+        batch = collate([samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size)
+        batch = batch.to(env.device)
+        logp = -token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
+        if env.cp_size > 1:
+            parts = [torch.empty_like(logp) for _ in range(env.cp_size)]
+            dist.all_gather(parts, logp.contiguous(), group=env.cp_group)
+            logp = cp_unshard(parts)
+        logp = logp.cpu().numpy()
+        for row, index in enumerate(mb.indices):
+            mine[index] = logp[row, : len(samples[index].tokens) - 1].copy()
+    gathered: list[dict] = [None] * env.world_size  # type: ignore[list-item]
+    dist.all_gather_object(gathered, mine)
+    merged: dict[int, np.ndarray] = {}
+    for part in gathered:
+        merged.update(part)
+    return [merged[i] for i in range(len(samples))]

@@ -1,0 +1,37 @@
+"""Data parallelism with torch FSDP2 (``fully_shard``) over the data x context parallel group.
+
+Why FSDP2 rather than megatron-core DDP: it keeps FP32 master weights sharded while computing in
+BF16 (MixedPrecisionPolicy) with a plain torch AdamW, where megatron-core's mixed-precision and
+distributed optimizers are CUDA-only; it checkpoints through torch.distributed.checkpoint; and
+its per-microbatch all-gather / reduce-scatter is exactly the overhead dynamic batching removes,
+as in the reference measurement (FSDP on two GPUs). It trains megatron-core's GPTModel on CPU
+over gloo unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool) -> torch.nn.Module:
+    model.to(env.device)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already normalised by the window's global token count: sum, don't average.
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and with a factor of 1 none is needed.
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def set_grad_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Reduce gradients only on a step's last microbatch; earlier ones accumulate locally."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
