@@ -17,14 +17,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
@@ -35,11 +37,11 @@ def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple)
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 240.0) -> list:
+def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on every rank; return each rank's result, in rank order."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:

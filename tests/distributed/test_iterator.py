@@ -17,7 +17,7 @@ from .harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-NUM_SAMPLES, GBS = 48, 16
+NUM_SAMPLES, GBS, BUDGET = 48, 16, 96
 
 
 def make_dataset() -> InMemoryDataset:
@@ -38,7 +38,7 @@ def iterate_epoch(rank: int, world: int):
 
     cp = 2
     dp_rank, cp_rank = rank // cp, rank % cp
-    planner = functools.partial(plan_dynamic, dp_size=world // cp, cp_size=cp, max_tokens_per_gpu=96)
+    planner = functools.partial(plan_dynamic, dp_size=world // cp, cp_size=cp, max_tokens_per_gpu=BUDGET)
     it = DataIterator(make_dataset(), WindowSampler(NUM_SAMPLES, GBS, seed=5), planner, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp)
     seen = []
     for step in range(NUM_SAMPLES // GBS):
@@ -50,7 +50,8 @@ def iterate_epoch(rank: int, world: int):
         for j, mb in enumerate(data.microbatches):
             seen.append(
                 dict(step=step, slot=j, sample_ids=mb.sample_ids.tolist(), tokens=mb.tokens, positions=mb.position_ids,
-                     valid=mb.valid, labels=mb.labels, padded_len=mb.padded_len, loss_tokens=data.global_loss_tokens)
+                     valid=mb.valid, labels=mb.labels, padded_len=mb.padded_len, loss_tokens=data.global_loss_tokens,
+                     gpu_tokens=mb.tokens.numel())
             )
     return dict(dp_rank=dp_rank, cp_rank=cp_rank, seen=seen)
 
@@ -66,6 +67,8 @@ def test_dp2_cp2_epoch_covers_every_sample_once_and_chunks_reassemble(tmp_path):
     for (dp_rank, step, slot), parts in by_key.items():
         a, b = parts[0], parts[1]
         assert a["sample_ids"] == b["sample_ids"], "both CP ranks hold the same rows"
+        if len(a["sample_ids"]) >= 2:  # the planner's CP price is what each GPU really holds
+            assert a["gpu_tokens"] <= BUDGET and b["gpu_tokens"] <= BUDGET
         covered += a["sample_ids"]
         if not a["sample_ids"]:
             assert a["tokens"].shape == (0, 0)

@@ -1,0 +1,42 @@
+"""Context parallelism trains the same model as cp 1, for fixed and dynamic plans (FP32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.train.compare import compare, run_arm
+from tests.conftest import TINY
+
+from .test_train_equivalence import STEPS, assert_same_training
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def cp_arms(tmp_path_factory, embedded_cache):
+    out = tmp_path_factory.mktemp("cp_arms")
+    data = [f"data.cache_dir={embedded_cache}"]
+    fixed = data + ["train.dynamic_batch_enable=false", "train.micro_batch_size=2"]
+    dynamic = data + ["train.dynamic_batch_enable=true"]
+
+    def arm(name, overrides, cp, nproc):
+        return run_arm(TINY, overrides + [f"parallel.context_parallel_size={cp}"], nproc=nproc, steps=STEPS, out_dir=out, name=name)
+
+    return {
+        "fixed_dp2_cp1": arm("fixed_dp2_cp1", fixed, 1, 2),
+        "fixed_dp2_cp2": arm("fixed_dp2_cp2", fixed, 2, 4),
+        "dynamic_dp2_cp1": arm("dynamic_dp2_cp1", dynamic, 1, 2),
+        "dynamic_dp2_cp2": arm("dynamic_dp2_cp2", dynamic, 2, 4),
+        "dynamic_dp1_cp1": arm("dynamic_dp1_cp1", dynamic, 1, 1),
+        "dynamic_dp1_cp4": arm("dynamic_dp1_cp4", dynamic, 4, 4),
+    }
+
+
+@pytest.mark.parametrize("kind", ["fixed", "dynamic"])
+def test_dp2_cp2_matches_dp2_cp1(cp_arms, kind):
+    assert_same_training(compare(cp_arms[f"{kind}_dp2_cp1"], cp_arms[f"{kind}_dp2_cp2"]))
+
+
+def test_dp1_cp4_matches_dp1_cp1(cp_arms):
+    assert cp_arms["dynamic_dp1_cp4"]["world_size"] == 4
+    assert_same_training(compare(cp_arms["dynamic_dp1_cp1"], cp_arms["dynamic_dp1_cp4"]))

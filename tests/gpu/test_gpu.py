@@ -1,0 +1,78 @@
+"""GPU-only checks: FlexAttention backward on CUDA, a BF16 train step, Transformer Engine.
+
+Each is marked and skips with its reason where there is no CUDA device (or no TE); the CPU
+paths they mirror are tested in tests/distributed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _batch(device):
+    import numpy as np
+
+    from backend.batching import Microbatch
+    from backend.data.collate import collate
+    from backend.data.sample import Sample
+
+    rng = np.random.default_rng(0)
+    samples = [Sample(tokens=rng.integers(0, 256, size=n)) for n in (300, 17, 512, 64)]
+    mb = Microbatch(indices=tuple(range(4)), padded_len=512, cost=0, tokens=0)
+    return collate(samples, list(range(4)), mb).to(device)
+
+
+def backend_vs_sdpa(rank: int, world: int, backend: str):
+    from backend.config import load_config
+    from backend.distributed.setup import init_distributed
+    from backend.model.builder import build_gpt, token_losses
+
+    env = init_distributed(1)
+    cfg = load_config(None, ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512"])
+    batch = _batch(env.device)
+    out = {}
+    grads = {}
+    for name in ("sdpa", backend):
+        model = build_gpt(cfg.model, vocab_size=256, max_seq_length=512, backend=name, seed=3).to(env.device)
+        losses = token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid)
+        loss = (losses * batch.loss_weight).sum() / batch.loss_mask.sum()
+        loss.backward()
+        out[name] = losses.detach()[batch.valid].cpu()
+        grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+    out["fwd_diff"] = float((out["sdpa"] - out[backend]).abs().max())
+    g0, g1 = grads["sdpa"], grads[backend]
+    out["grad_cos"] = float(torch.dot(g0, g1) / (g0.norm() * g1.norm()))
+    return out
+
+
+def test_flex_backward_on_cuda_matches_sdpa(tmp_path):
+    r = run_ranks(backend_vs_sdpa, 1, tmp_path, "flex", backend="nccl", timeout=600)[0]
+    assert r["fwd_diff"] <= 1e-3 and r["grad_cos"] >= 0.9999, r
+
+
+def test_te_matches_sdpa(tmp_path):
+    from backend.model.compat import te_status
+
+    ok, why = te_status()
+    if not ok:
+        pytest.skip(f"needs Transformer Engine: {why}")
+    r = run_ranks(backend_vs_sdpa, 1, tmp_path, "te", backend="nccl", timeout=600)[0]
+    assert r["fwd_diff"] <= 2e-2 and r["grad_cos"] >= 0.999, r
+
+
+def test_bf16_train_step_tracks_fp32(tmp_path, embedded_cache):
+    from backend.train.compare import run_arm
+    from tests.conftest import TINY
+
+    base = [f"data.cache_dir={embedded_cache}", "model.hidden_size=256", "train.dynamic_batch_enable=true"]
+    fp32 = run_arm(TINY, base + ["train.precision=fp32"], nproc=1, steps=3, out_dir=tmp_path, name="fp32")
+    bf16 = run_arm(TINY, base + ["train.precision=bf16"], nproc=1, steps=3, out_dir=tmp_path, name="bf16")
+    for a, b in zip(fp32["loss"], bf16["loss"]):
+        assert abs(a - b) / a <= 2e-2
+    cos = float(torch.dot(fp32["grad"][0], bf16["grad"][0]) / (fp32["grad"][0].norm() * bf16["grad"][0].norm()))
+    assert cos >= 0.99, cos
