@@ -12,7 +12,7 @@ ATTENTION_BACKENDS = ("auto", "te", "flex", "sdpa")
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
-DP_WRAPPERS = ("ddp", "fsdp")
+DP_WRAPPERS = ("fsdp",)
 
 
 @dataclass
@@ -44,8 +44,8 @@ class ModelConfig:
 class ParallelConfig:
     # Context-parallel size: each sequence is cut into 2*cp chunks, two per CP rank.
     context_parallel_size: int = 1
-    # Data-parallel wrapper: megatron-core DDP ("ddp") or torch FSDP2 ("fsdp").
-    data_parallel_wrapper: str = "ddp"
+    # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group.
+    data_parallel_wrapper: str = "fsdp"
     # Process-group backend: "auto" is nccl on CUDA, gloo on CPU.
     backend: str = "auto"
 
