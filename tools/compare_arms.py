@@ -33,9 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare_arms_"))
     common = dict(nproc=args.nproc, steps=args.steps, out_dir=out_dir)
-    fixed = run_arm(args.config, [*args.overrides, "train.dynamic_batch_enable=false", f"train.micro_batch_size={args.fixed_mbs}"], name="fixed", **common)
+    fixed = run_arm(
+        args.config,
+        [*args.overrides, "train.dynamic_batch_enable=false", f"train.micro_batch_size={args.fixed_mbs}"],
+        name="fixed",
+        **common,
+    )
     dynamic = run_arm(args.config, [*args.overrides, "train.dynamic_batch_enable=true"], name="dynamic", **common)
-    result = {"config": args.config, "overrides": args.overrides, "nproc": args.nproc, "fixed_mbs": args.fixed_mbs, **compare(fixed, dynamic)}
+    result = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "nproc": args.nproc,
+        "fixed_mbs": args.fixed_mbs,
+        **compare(fixed, dynamic),
+    }
     print(f"{'step':>4} {'loss fixed':>12} {'loss dynamic':>13}")
     for i, (a, b) in enumerate(zip(result["loss_ref"], result["loss_other"]), 1):
         print(f"{i:>4} {a:12.6f} {b:13.6f}")
@@ -47,8 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         ("max_param_diff", f"{result['max_param_diff']:.3e}"),
         ("step_time_ratio (fixed/dynamic)", f"{result['step_time_ratio']:.2f}"),
         ("peak_memory_diff_bytes (fixed-dynamic)", f"{result['peak_memory_diff_bytes']:,}"),
-        ("microbatches/step fixed, dynamic", f"{result['num_microbatches_ref']:.1f}, {result['num_microbatches_other']:.1f}"),
-        ("padding efficiency fixed, dynamic", f"{result['padding_efficiency_ref']:.3f}, {result['padding_efficiency_other']:.3f}"),
+        (
+            "microbatches/step fixed, dynamic",
+            f"{result['num_microbatches_ref']:.1f}, {result['num_microbatches_other']:.1f}",
+        ),
+        (
+            "padding efficiency fixed, dynamic",
+            f"{result['padding_efficiency_ref']:.3f}, {result['padding_efficiency_other']:.3f}",
+        ),
     ]
     for k, v in rows:
         print(f"{k:<42} {v}")

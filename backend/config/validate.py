@@ -72,9 +72,13 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             errors.append(f"{key}={get(cfg, key)}: must be >= 0")
     m, t, o = cfg.model, cfg.train, cfg.optimizer
     if m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
-        errors.append(f"model.hidden_size={m.hidden_size}: must be divisible by model.num_attention_heads={m.num_attention_heads}")
+        errors.append(
+            f"model.hidden_size={m.hidden_size}: must be divisible by model.num_attention_heads={m.num_attention_heads}"
+        )
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
-        errors.append(f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}")
+        errors.append(
+            f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
+        )
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr}: must be > 0")
     if not 0 <= o.min_lr <= o.lr:

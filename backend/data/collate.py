@@ -40,7 +40,9 @@ class MicrobatchTensors:
         return int(self.loss_mask.sum().item())
 
     def to(self, device) -> MicrobatchTensors:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved = {
+            k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()
+        }
         return MicrobatchTensors(**moved)
 
 

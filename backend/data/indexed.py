@@ -48,11 +48,19 @@ def write_indexed(prefix: str | Path, samples: Iterable[Sample], vocab_size: int
     outputs = [("", token_dtype(vocab_size), lambda s: s.tokens)]
     if has_mask:
         outputs.append(
-            (MASK_SUFFIX, np.uint8, lambda s: s.loss_mask if s.loss_mask is not None else np.ones(len(s.tokens), np.uint8))
+            (
+                MASK_SUFFIX,
+                np.uint8,
+                lambda s: s.loss_mask if s.loss_mask is not None else np.ones(len(s.tokens), np.uint8),
+            )
         )
     if has_weight:
         outputs.append(
-            (WEIGHT_SUFFIX, np.float32, lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens), np.float32))
+            (
+                WEIGHT_SUFFIX,
+                np.float32,
+                lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens), np.float32),
+            )
         )
     for suffix, dtype, field in outputs:
         builder = ids.IndexedDatasetBuilder(f"{tmp}{suffix}.bin", dtype=dtype)
@@ -81,7 +89,9 @@ class IndexedTokenDataset:
             raise FileNotFoundError(f"data.path: no {self.prefix}.bin and {self.prefix}.idx")
         self._tokens = ids.IndexedDataset(self.prefix)
         self.lengths = np.asarray(self._tokens.sequence_lengths, dtype=np.int64)
-        self._mask = ids.IndexedDataset(self.prefix + MASK_SUFFIX) if indexed_exists(self.prefix + MASK_SUFFIX) else None
+        self._mask = (
+            ids.IndexedDataset(self.prefix + MASK_SUFFIX) if indexed_exists(self.prefix + MASK_SUFFIX) else None
+        )
         self._weight = (
             ids.IndexedDataset(self.prefix + WEIGHT_SUFFIX) if indexed_exists(self.prefix + WEIGHT_SUFFIX) else None
         )

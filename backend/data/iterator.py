@@ -59,7 +59,9 @@ class StepData:
         return len(self.microbatches)
 
 
-def collate_plan(dataset, window_ids, plan: StepPlan, *, dp_rank: int, cp_rank: int, cp_size: int) -> list[MicrobatchTensors]:
+def collate_plan(
+    dataset, window_ids, plan: StepPlan, *, dp_rank: int, cp_rank: int, cp_size: int
+) -> list[MicrobatchTensors]:
     out = []
     for mb in plan.microbatches(dp_rank):
         ids = [int(window_ids[i]) for i in mb.indices]

@@ -51,7 +51,9 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
                     raise DataFormatError(f"{where}: '{json_key}' must be a string")
                 tokens = np.asarray(tokenizer.encode(row[json_key]), dtype=np.int64)
             else:
-                raise DataFormatError(f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})")
+                raise DataFormatError(
+                    f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})"
+                )
             if len(tokens) == 0:
                 raise DataFormatError(f"{where}: the sample has no tokens")
             mask = weight = None
@@ -61,7 +63,9 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
                     raise DataFormatError(f"{where}: 'loss_mask' needs {len(tokens)} entries of 0 or 1, one per token")
             if "loss_weight" in row:
                 w = row["loss_weight"]
-                if not isinstance(w, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in w):
+                if not isinstance(w, list) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) for v in w
+                ):
                     raise DataFormatError(f"{where}: 'loss_weight' must be a list of numbers")
                 weight = np.asarray(w, dtype=np.float32)
                 if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):

@@ -91,3 +91,19 @@ def shutdown_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def describe_world(env: ParallelEnv) -> list[dict]:
+    """Every rank's place (host, Slurm node, local rank), gathered on all ranks."""
+    mine = {
+        "rank": env.rank,
+        "local_rank": env.local_rank,
+        "dp_rank": env.dp_rank,
+        "cp_rank": env.cp_rank,
+        "hostname": socket.gethostname(),
+        "slurm_node_id": os.environ.get("SLURM_NODEID"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+    world: list = [None] * env.world_size
+    dist.all_gather_object(world, mine)
+    return world

@@ -12,8 +12,18 @@ import torch
 from backend.batching import StepPlan
 
 REQUIRED_KEYS = (
-    "step", "loss", "grad_norm", "lr", "tokens", "padded_tokens", "padding_efficiency", "num_microbatches",
-    "oversize_singletons", "step_time_s", "tokens_per_s", "peak_memory_bytes",
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "padded_tokens",
+    "padding_efficiency",
+    "num_microbatches",
+    "oversize_singletons",
+    "step_time_s",
+    "tokens_per_s",
+    "peak_memory_bytes",
 )
 
 

@@ -96,7 +96,9 @@ class AttentionContext:
         key = ("rope", head_dim, dtype)
         if key not in self._cache:
             device = self.positions.device
-            inv_freq = 1.0 / (self.rotary_base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+            inv_freq = 1.0 / (
+                self.rotary_base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+            )
             angles = self.positions.t().to(torch.float32)[..., None] * inv_freq  # [s, b, d/2]
             angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
             self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
@@ -145,8 +147,13 @@ def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
     import transformer_engine.pytorch as te
 
     attn = te.DotProductAttention(
-        num_heads, head_dim, num_gqa_groups=num_kv, attention_dropout=0.0, qkv_format="bshd",
-        attn_mask_type="arbitrary", softmax_scale=scale,
+        num_heads,
+        head_dim,
+        num_gqa_groups=num_kv,
+        attention_dropout=0.0,
+        qkv_format="bshd",
+        attn_mask_type="arbitrary",
+        softmax_scale=scale,
     )
 
     def kernel(q, k, v, ctx: AttentionContext, _scale: float) -> torch.Tensor:
@@ -189,8 +196,17 @@ def make_core_attention(backend: str):
     megatron_module = import_megatron_module("megatron.core.transformer.module").MegatronModule
 
     class CoreAttention(megatron_module):
-        def __init__(self, config, layer_number, attn_mask_type=None, attention_type=None, cp_comm_type=None,
-                     softmax_scale=None, pg_collection=None, **_):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type=None,
+            attention_type=None,
+            cp_comm_type=None,
+            softmax_scale=None,
+            pg_collection=None,
+            **_,
+        ):
             super().__init__(config=config)
             self.num_heads = config.num_attention_heads
             self.num_kv = config.num_query_groups or config.num_attention_heads
@@ -198,12 +214,15 @@ def make_core_attention(backend: str):
             self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
             self.backend = backend
             if backend == "te":
-                self.te_attention, self.kernel = te_kernel_factory(self.num_heads, self.num_kv, self.head_dim, self.scale)
+                self.te_attention, self.kernel = te_kernel_factory(
+                    self.num_heads, self.num_kv, self.head_dim, self.scale
+                )
             else:
                 self.kernel = sdpa_kernel if backend == "sdpa" else flex_kernel
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
             ctx: AttentionContext = attention_mask
             if not isinstance(ctx, AttentionContext):
                 raise TypeError("CoreAttention needs an AttentionContext as attention_mask (see backend.model.forward)")

@@ -31,7 +31,9 @@ def te_status() -> tuple[bool, str]:
             for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
                 del sys.modules[name]
             sys.modules["transformer_engine"] = None  # type: ignore[assignment]  # import now raises ImportError
-            _TE_STATE.update(ok=False, why=f"Transformer Engine is installed but does not import: {type(e).__name__}: {e}")
+            _TE_STATE.update(
+                ok=False, why=f"Transformer Engine is installed but does not import: {type(e).__name__}: {e}"
+            )
             log.warning("%s; megatron-core will use its local layers", _TE_STATE["why"])
     return bool(_TE_STATE["ok"]), str(_TE_STATE["why"])
 

@@ -40,12 +40,21 @@ def worker(argv: list[str]) -> int:
     try:
         trainer = Trainer(cfg, env)
         params = [p for p in trainer.model.parameters()]
-        record: dict = {"loss": [], "grad_norm": [], "grad": [], "update": [], "step_time_s": [], "num_microbatches": [],
-                        "padding_efficiency": []}
+        record: dict = {
+            "loss": [],
+            "grad_norm": [],
+            "grad": [],
+            "update": [],
+            "step_time_s": [],
+            "num_microbatches": [],
+            "padding_efficiency": [],
+        }
         for _ in range(int(steps)):
             before = _full_flat(params)
             grads: dict = {}
-            metrics = trainer.train_one_step(on_grads=lambda m: grads.update(g=_full_flat(p.grad for p in params)))
+            metrics = trainer.train_one_step(
+                on_grads=lambda m, grads=grads: grads.update(g=_full_flat(p.grad for p in params))
+            )
             record["update"].append(_full_flat(params) - before)
             record["grad"].append(grads["g"])
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
@@ -62,19 +71,32 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def run_arm(config: str, overrides: list[str], *, nproc: int, steps: int, out_dir: Path, name: str, timeout: float = 1800) -> dict:
+def run_arm(
+    config: str, overrides: list[str], *, nproc: int, steps: int, out_dir: Path, name: str, timeout: float = 1800
+) -> dict:
     """Launch one arm under torchrun and load what its rank 0 recorded."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "backend.train.compare", str(out), str(steps), config,
-        *overrides, f"logger.run_dir={out_dir / name}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "backend.train.compare",
+        str(out),
+        str(steps),
+        config,
+        *overrides,
+        f"logger.run_dir={out_dir / name}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"arm {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise RuntimeError(
+            f"arm {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return torch.load(out, weights_only=True)
 
 

@@ -29,7 +29,9 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
             batch = placeholder_microbatch(env.cp_size).to(env.device)
             token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
             continue
-        batch = collate([samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size)
+        batch = collate(
+            [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
+        )
         batch = batch.to(env.device)
         logp = -token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
         if env.cp_size > 1:

@@ -28,6 +28,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
 
 def build_scheduler(optimizer, opt_cfg, sched_cfg, train_iters: int) -> torch.optim.lr_scheduler.LambdaLR:
     def factor(step: int) -> float:
-        return lr_at(step, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup=sched_cfg.warmup_iters, total=train_iters) / opt_cfg.lr
+        return (
+            lr_at(step, lr=opt_cfg.lr, min_lr=opt_cfg.min_lr, warmup=sched_cfg.warmup_iters, total=train_iters)
+            / opt_cfg.lr
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

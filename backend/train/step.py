@@ -73,7 +73,9 @@ def train_step(model, optimizer, scheduler, data: StepData, env, *, clip_grad: f
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); the update was skipped")
+        raise NonFiniteError(
+            f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); the update was skipped"
+        )
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -14,12 +15,14 @@ from backend.data.build import build_dataset
 from backend.data.iterator import DataIterator, planner_from_config
 from backend.data.sampler import WindowSampler
 from backend.distributed.plan_check import check_plan_agreement
+from backend.distributed.setup import describe_world
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
 from backend.model.attention import resolve_backend
 from backend.model.builder import build_gpt, padded_vocab
 
 from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from .optim import build_optimizer, build_scheduler
+from .preemption import StopRequest
 from .step import train_step
 from .wrap import wrap_fsdp
 
@@ -35,8 +38,16 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.logger.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        world = describe_world(env)
         if env.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
+            (self.run_dir / "world.json").write_text(json.dumps(world, indent=1))
+            log.info(
+                "world: %d ranks on %d node(s): %s",
+                env.world_size,
+                len({w["hostname"] + str(w["slurm_node_id"]) for w in world}),
+                ", ".join(f"rank {w['rank']}@{w['hostname']}/node {w['slurm_node_id']}" for w in world),
+            )
 
         self.dataset, self.tokenizer = build_dataset(cfg.data)
         self.backend = resolve_backend(cfg.model.attention_backend, device=env.device)
@@ -53,37 +64,66 @@ class Trainer:
 
         sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)
-        self.data = DataIterator(self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size)
+        self.data = DataIterator(
+            self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
+        )
 
         self.step = 0
         self.wandb_run_id = getattr(wandb_run, "id", None)
         if cfg.checkpoint.resume and (found := complete_checkpoints(self.ckpt_dir)):
             meta = load_checkpoint(
-                found[-1], self.model, self.optimizer, self.scheduler, env=env, allow_dp_change=cfg.checkpoint.allow_dp_change
+                found[-1],
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                env=env,
+                allow_dp_change=cfg.checkpoint.allow_dp_change,
             )
             self.step = meta["step"]
             self.data.load_state_dict(meta["data"])
         self.metrics = MetricsLogger(
-            self.run_dir, cfg.train.train_iters, enabled=env.is_main, wandb_run=wandb_run, log_interval=cfg.logger.log_interval
+            self.run_dir,
+            cfg.train.train_iters,
+            enabled=env.is_main,
+            wandb_run=wandb_run,
+            log_interval=cfg.logger.log_interval,
         )
         report = self.dataset.report
         if env.is_main:
             log.info(
                 "data: %d samples from %s (over-length: %d truncated, %d dropped); attention: %s; dp=%d cp=%d; %s",
-                len(self.dataset), self.dataset.source, report.truncated, report.dropped, self.backend,
-                env.dp_size, env.cp_size,
-                f"dynamic batching, {cfg.train.max_tokens_per_gpu} tokens/GPU" if cfg.train.dynamic_batch_enable
+                len(self.dataset),
+                self.dataset.source,
+                report.truncated,
+                report.dropped,
+                self.backend,
+                env.dp_size,
+                env.cp_size,
+                f"dynamic batching, {cfg.train.max_tokens_per_gpu} tokens/GPU"
+                if cfg.train.dynamic_batch_enable
                 else f"fixed micro-batch size {cfg.train.micro_batch_size}",
             )
 
-    def train(self) -> list[dict]:
-        history = []
-        while self.step < self.cfg.train.train_iters:
-            self.step += 1
-            history.append(self.train_one_step())
-            if self.should_save():
-                self.save()
-        return history
+    def train(self) -> str:
+        """Run to train.train_iters; returns "finished", or "preempted" after a stop signal."""
+        stop = StopRequest().install()
+        try:
+            while self.step < self.cfg.train.train_iters:
+                self.step += 1
+                self.train_one_step()
+                if stop.agreed(self.env.device):
+                    self.save()
+                    log.warning(
+                        "stop signal (%s) received: saved step %d, exiting to be resumed",
+                        stop.signal_name or "on another rank",
+                        self.step,
+                    )
+                    return "preempted"
+                if self.should_save():
+                    self.save()
+            return "finished"
+        finally:
+            stop.uninstall()
 
     def train_one_step(self, on_grads=None) -> dict:
         plan_start = time.perf_counter()
@@ -91,7 +131,13 @@ class Trainer:
         data_time = time.perf_counter() - plan_start
         check_plan_agreement(data.plan, step=self.step)
         out = train_step(
-            self.model, self.optimizer, self.scheduler, data, self.env, clip_grad=self.cfg.optimizer.clip_grad, step=self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            data,
+            self.env,
+            clip_grad=self.cfg.optimizer.clip_grad,
+            step=self.step,
             on_grads=on_grads,
         )
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
@@ -108,8 +154,18 @@ class Trainer:
         return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters
 
     def save(self) -> Path:
-        extra = {"data": self.data.state_dict(), "wandb_run_id": self.wandb_run_id, "config": dataclasses.asdict(self.cfg)}
+        extra = {
+            "data": self.data.state_dict(),
+            "wandb_run_id": self.wandb_run_id,
+            "config": dataclasses.asdict(self.cfg),
+        }
         return save_checkpoint(
-            self.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler,
-            env=self.env, extra=extra, keep_last=self.cfg.checkpoint.keep_last,
+            self.ckpt_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            env=self.env,
+            extra=extra,
+            keep_last=self.cfg.checkpoint.keep_last,
         )

@@ -41,7 +41,10 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 240.0
     """Run ``fn(rank, world_size, *args)`` on every rank; return each rank's result, in rank order."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args, backend)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, str(tmp_path), args, backend))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -51,7 +54,9 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 240.0
         if p.is_alive():
             p.kill()
             p.join()
-    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world_size) if (tmp_path / f"rank{r}.err").exists()}
+    errors = {
+        r: (tmp_path / f"rank{r}.err").read_text() for r in range(world_size) if (tmp_path / f"rank{r}.err").exists()
+    }
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in errors.items()))
     if hung:

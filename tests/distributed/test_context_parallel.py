@@ -20,7 +20,9 @@ def cp_arms(tmp_path_factory, embedded_cache):
     dynamic = data + ["train.dynamic_batch_enable=true"]
 
     def arm(name, overrides, cp, nproc):
-        return run_arm(TINY, overrides + [f"parallel.context_parallel_size={cp}"], nproc=nproc, steps=STEPS, out_dir=out, name=name)
+        return run_arm(
+            TINY, overrides + [f"parallel.context_parallel_size={cp}"], nproc=nproc, steps=STEPS, out_dir=out, name=name
+        )
 
     return {
         "fixed_dp2_cp1": arm("fixed_dp2_cp1", fixed, 1, 2),

@@ -39,7 +39,9 @@ def iterate_epoch(rank: int, world: int):
     cp = 2
     dp_rank, cp_rank = rank // cp, rank % cp
     planner = functools.partial(plan_dynamic, dp_size=world // cp, cp_size=cp, max_tokens_per_gpu=BUDGET)
-    it = DataIterator(make_dataset(), WindowSampler(NUM_SAMPLES, GBS, seed=5), planner, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp)
+    it = DataIterator(
+        make_dataset(), WindowSampler(NUM_SAMPLES, GBS, seed=5), planner, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp
+    )
     seen = []
     for step in range(NUM_SAMPLES // GBS):
         data = next(it)
@@ -49,9 +51,18 @@ def iterate_epoch(rank: int, world: int):
         assert counts.item() == len(data.microbatches)
         for j, mb in enumerate(data.microbatches):
             seen.append(
-                dict(step=step, slot=j, sample_ids=mb.sample_ids.tolist(), tokens=mb.tokens, positions=mb.position_ids,
-                     valid=mb.valid, labels=mb.labels, padded_len=mb.padded_len, loss_tokens=data.global_loss_tokens,
-                     gpu_tokens=mb.tokens.numel())
+                dict(
+                    step=step,
+                    slot=j,
+                    sample_ids=mb.sample_ids.tolist(),
+                    tokens=mb.tokens,
+                    positions=mb.position_ids,
+                    valid=mb.valid,
+                    labels=mb.labels,
+                    padded_len=mb.padded_len,
+                    loss_tokens=data.global_loss_tokens,
+                    gpu_tokens=mb.tokens.numel(),
+                )
             )
     return dict(dp_rank=dp_rank, cp_rank=cp_rank, seen=seen)
 
@@ -64,7 +75,7 @@ def test_dp2_cp2_epoch_covers_every_sample_once_and_chunks_reassemble(tmp_path):
         for item in res["seen"]:
             by_key.setdefault((res["dp_rank"], item["step"], item["slot"]), {})[res["cp_rank"]] = item
     covered = []
-    for (dp_rank, step, slot), parts in by_key.items():
+    for parts in by_key.values():
         a, b = parts[0], parts[1]
         assert a["sample_ids"] == b["sample_ids"], "both CP ranks hold the same rows"
         if len(a["sample_ids"]) >= 2:  # the planner's CP price is what each GPU really holds

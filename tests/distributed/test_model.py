@@ -14,10 +14,9 @@ pytestmark = pytest.mark.distributed
 def model_checks(rank: int, world: int):
     import functools
 
-    from backend.batching import plan_dynamic
+    from backend.batching import Microbatch, plan_dynamic
     from backend.config import load_config
     from backend.data.collate import collate
-    from backend.batching import Microbatch
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
     from backend.model.attention import resolve_backend
@@ -49,8 +48,10 @@ def model_checks(rank: int, world: int):
             alone = token_losses(sdpa, one.tokens, one.labels, one.position_ids, one.valid)
             worst = max(worst, float((alone[0] - padded_sdpa[i, : len(s.tokens)]).abs().max()))
         out["padding_vs_alone"] = worst
-        out["backend_names"] = (type(sdpa.decoder.layers[0].self_attention.core_attention).__name__,
-                                type(flex.decoder.layers[0].self_attention.core_attention).__name__)
+        out["backend_names"] = (
+            type(sdpa.decoder.layers[0].self_attention.core_attention).__name__,
+            type(flex.decoder.layers[0].self_attention.core_attention).__name__,
+        )
 
     # Forward-only through the data-parallel (FSDP) model, planned under a small budget.
     model = wrap_fsdp(build("sdpa"), env, bf16=False)
@@ -60,7 +61,11 @@ def model_checks(rank: int, world: int):
     with torch.no_grad():
         for i, s in enumerate(samples):
             one = collate([s], [i], Microbatch(indices=(0,), padded_len=len(s.tokens), cost=0, tokens=0))
-            reference.append((-token_losses(model, one.tokens, one.labels, one.position_ids, one.valid))[0, : len(s.tokens) - 1].numpy())
+            reference.append(
+                (-token_losses(model, one.tokens, one.labels, one.position_ids, one.valid))[
+                    0, : len(s.tokens) - 1
+                ].numpy()
+            )
     out["logprob_lengths"] = [len(x) for x in logprobs]
     out["logprob_diff"] = max(float(np.abs(a - b).max(initial=0.0)) for a, b in zip(logprobs, reference))
     out["num_microbatches"] = planner([len(s.tokens) for s in samples]).num_microbatches

@@ -13,8 +13,11 @@ def write(path, text):
 
 
 def test_round_trip_yaml_defaults_and_overrides(tmp_path):
-    base = write(tmp_path / "base.yaml", "train:\n  global_batch_size: 64\n  train_iters: 5\nmodel:\n  num_layers: 3\n")
-    child = write(tmp_path / "child.yaml", "defaults: [base.yaml]\ntrain:\n  train_iters: 7\n  dynamic_batch_enable: true\n  max_tokens_per_gpu: 4096\n")
+    write(tmp_path / "base.yaml", "train:\n  global_batch_size: 64\n  train_iters: 5\nmodel:\n  num_layers: 3\n")
+    child = write(
+        tmp_path / "child.yaml",
+        "defaults: [base.yaml]\ntrain:\n  train_iters: 7\n  dynamic_batch_enable: true\n  max_tokens_per_gpu: 4096\n",
+    )
     cfg = load_config(child, ["model.hidden_size=256", "logger.wandb.tags=[a,b]"])
     assert (cfg.train.global_batch_size, cfg.train.train_iters, cfg.model.num_layers) == (64, 7, 3)
     assert cfg.model.hidden_size == 256 and cfg.logger.wandb.tags == ["a", "b"]
@@ -31,17 +34,35 @@ def test_round_trip_yaml_defaults_and_overrides(tmp_path):
         (["nope.x=1"], 1, "unknown config key 'nope'"),
         (["train.global_batch_size=abc"], 1, "'train.global_batch_size'"),
         (["train.dynamic_batch_enable=maybe"], 1, "'train.dynamic_batch_enable'"),
-        (["model.attention_backend=xformers"], 1, "model.attention_backend='xformers': allowed values are auto, te, flex, sdpa"),
+        (
+            ["model.attention_backend=xformers"],
+            1,
+            "model.attention_backend='xformers': allowed values are auto, te, flex, sdpa",
+        ),
         (["data.overlong=skip"], 1, "data.overlong='skip': allowed values are error, truncate, drop"),
         (["logger.wandb.mode=cloud"], 1, "logger.wandb.mode='cloud': allowed values are online, offline, disabled"),
         (["train.global_batch_size=0"], 1, "train.global_batch_size=0: must be >= 1"),
         (["train.dynamic_batch_enable=true"], 1, "train.max_tokens_per_gpu: must be set"),
-        (["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=1", "parallel.context_parallel_size=2"], 2,
-         "train.max_tokens_per_gpu=1: must hold at least one CP-aligned row: 2 tokens per GPU"),
-        (["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=100", "train.dynamic_batch_pad_to_multiple=128"], 1,
-         "train.max_tokens_per_gpu=100: must hold at least one CP-aligned row: 128"),
+        (
+            ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=1", "parallel.context_parallel_size=2"],
+            2,
+            "train.max_tokens_per_gpu=1: must hold at least one CP-aligned row: 2 tokens per GPU",
+        ),
+        (
+            [
+                "train.dynamic_batch_enable=true",
+                "train.max_tokens_per_gpu=100",
+                "train.dynamic_batch_pad_to_multiple=128",
+            ],
+            1,
+            "train.max_tokens_per_gpu=100: must hold at least one CP-aligned row: 128",
+        ),
         (["parallel.context_parallel_size=3"], 4, "parallel.context_parallel_size=3: must divide the world size 4"),
-        (["train.global_batch_size=30", "train.micro_batch_size=4"], 2, "train.global_batch_size=30: must be divisible"),
+        (
+            ["train.global_batch_size=30", "train.micro_batch_size=4"],
+            2,
+            "train.global_batch_size=30: must be divisible",
+        ),
         (["model.hidden_size=100", "model.num_attention_heads=3"], 1, "model.hidden_size=100: must be divisible"),
         (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0"),
         (["trainiters=3"], 1, "unknown config key 'trainiters'"),
@@ -56,7 +77,10 @@ def test_errors_name_the_dotted_key(overrides, world, needle):
 
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     path = write(tmp_path / "bad.yaml", "train:\n  max_token_per_gpu: 10\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown config key 'train.max_token_per_gpu' \(allowed keys in 'train': .*max_tokens_per_gpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"bad.yaml: unknown config key 'train.max_token_per_gpu' \(allowed keys in 'train': .*max_tokens_per_gpu",
+    ):
         load_config(path)
 
 
@@ -69,5 +93,7 @@ def test_missing_and_self_including_files(tmp_path):
 
 
 def test_dynamic_batching_does_not_need_divisible_batches():
-    cfg = load_config(None, ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=512", "train.global_batch_size=7"])
+    cfg = load_config(
+        None, ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=512", "train.global_batch_size=7"]
+    )
     validate(cfg, world_size=4)

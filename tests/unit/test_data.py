@@ -13,7 +13,7 @@ import torch
 
 from backend.batching import Microbatch, plan_dynamic
 from backend.data.collate import collate, cp_shard, cp_unshard
-from backend.data.indexed import IndexedTokenDataset, write_indexed
+from backend.data.indexed import IndexedTokenDataset
 from backend.data.iterator import DataIterator
 from backend.data.jsonl import DataFormatError, InMemoryDataset, read_jsonl
 from backend.data.overlong import LengthLimitedDataset, OverlongError
@@ -37,8 +37,19 @@ def test_jsonl_to_bin_idx_round_trip_token_for_token(tmp_path):
     ]
     src = write_jsonl(tmp_path / "d.jsonl", rows)
     out = subprocess.run(
-        [sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / "out/d"), "--tokenizer", "byte"],
-        cwd=REPO, capture_output=True, text=True,
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(tmp_path / "out/d"),
+            "--tokenizer",
+            "byte",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
     expected = list(read_jsonl(src, ByteTokenizer()))
@@ -78,7 +89,9 @@ def test_preprocess_reports_malformed_line_and_writes_nothing(tmp_path):
     src = write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, "{oops"])
     out = subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / "o")],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 1 and f"{src}:2:" in out.stderr
     assert not list(tmp_path.glob("o*"))
@@ -140,7 +153,9 @@ def test_overlong_policies_count_what_they_do():
 
 
 def test_collate_pads_right_shifts_labels_and_masks():
-    s0 = Sample(tokens=np.array([1, 2, 3]), loss_mask=np.array([0, 1, 1], np.uint8), loss_weight=np.array([9, 2, 3], np.float32))
+    s0 = Sample(
+        tokens=np.array([1, 2, 3]), loss_mask=np.array([0, 1, 1], np.uint8), loss_weight=np.array([9, 2, 3], np.float32)
+    )
     s1 = Sample(tokens=np.array([4, 5, 6, 7, 8]))
     mb = Microbatch(indices=(0, 1), padded_len=6, cost=12, tokens=8)
     t = collate([s0, s1], [10, 11], mb)

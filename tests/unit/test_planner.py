@@ -130,7 +130,9 @@ def test_pad_to_multiple_buckets_shapes():
     exact = plan_dynamic(lengths, dp_size=4, max_tokens_per_gpu=16384)
     bucketed = plan_dynamic(lengths, dp_size=4, max_tokens_per_gpu=16384, pad_to_multiple=1024)
     assert {mb.padded_len % 1024 for r in bucketed.ranks for mb in r if mb.indices} == {0}
-    assert len({mb.padded_len for r in bucketed.ranks for mb in r}) < len({mb.padded_len for r in exact.ranks for mb in r})
+    assert len({mb.padded_len for r in bucketed.ranks for mb in r}) < len(
+        {mb.padded_len for r in exact.ranks for mb in r}
+    )
 
 
 @pytest.mark.parametrize("name", LENGTH_SETS)
@@ -193,7 +195,11 @@ def test_plans_identical_across_hash_seeds():
     outs = []
     for seed in ("0", "1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, capture_output=True, text=True).stdout)
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, cwd=REPO, check=True, capture_output=True, text=True
+            ).stdout
+        )
     assert outs[0] == outs[1] == outs[2]
     assert json.loads(outs[0])[0]["fingerprint"]
 

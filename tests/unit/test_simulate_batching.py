@@ -28,7 +28,11 @@ def test_json_has_every_scheduler_and_key():
     out = run("--dp", "8", "--cp", "2", "--steps", "1", "--global-batch-size", "128", "--json")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert {(r["set"], r["scheduler"]) for r in rows} >= {("rl_longtail", "dynamic"), ("short", "sort_and_stride"), ("equal", "fixed_mbs1")}
+    assert {(r["set"], r["scheduler"]) for r in rows} >= {
+        ("rl_longtail", "dynamic"),
+        ("short", "sort_and_stride"),
+        ("equal", "fixed_mbs1"),
+    }
     for r in rows:
         assert KEYS <= r.keys()
         assert r["coverage_ok"] is True

@@ -1,0 +1,44 @@
+"""Preemption: SIGTERM or SIGUSR1 on any rank stops every rank at the same step boundary.
+
+A handler only records the signal. After each step all ranks all-reduce (MAX) one flag, so they
+agree on the step to stop at, save a checkpoint there and exit cleanly; the job (or Slurm's
+requeue) resumes from it. Without the agreement one rank would stop while the others blocked in
+the next step's collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> StopRequest:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank once any rank has received a stop signal (one tiny all-reduce)."""
+        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
