@@ -101,6 +101,7 @@ def describe_world(env: ParallelEnv) -> list[dict]:
         "dp_rank": env.dp_rank,
         "cp_rank": env.cp_rank,
         "hostname": socket.gethostname(),
+        "pid": os.getpid(),
         "slurm_node_id": os.environ.get("SLURM_NODEID"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
