@@ -108,3 +108,20 @@ def describe_world(env: ParallelEnv) -> list[dict]:
     world: list = [None] * env.world_size
     dist.all_gather_object(world, mine)
     return world
+
+
+def check_world_matches_allocation(world: list[dict]) -> None:
+    """Under Slurm, every node of the allocation must be in this one world.
+
+    A launch that starts an independent torchrun per node forms several one-node worlds that
+    each train alone, silently; this turns that into an error naming both counts.
+    """
+    expected = os.environ.get("SLURM_JOB_NUM_NODES")
+    if expected is None or "SLURM_JOB_ID" not in os.environ:
+        return
+    nodes = {w["slurm_node_id"] for w in world}
+    if len(nodes) != int(expected):
+        raise RuntimeError(
+            f"this world has {len(world)} ranks on {len(nodes)} Slurm node(s), but the allocation has {expected}: "
+            f"every node must join one rendezvous (launch with tools/slurm/train.sbatch)"
+        )

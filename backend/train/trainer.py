@@ -15,7 +15,7 @@ from backend.data.build import build_dataset
 from backend.data.iterator import DataIterator, planner_from_config
 from backend.data.sampler import WindowSampler
 from backend.distributed.plan_check import check_plan_agreement
-from backend.distributed.setup import describe_world
+from backend.distributed.setup import check_world_matches_allocation, describe_world
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
 from backend.model.attention import resolve_backend
 from backend.model.builder import build_gpt, padded_vocab
@@ -39,6 +39,7 @@ class Trainer:
         self.run_dir = Path(cfg.logger.run_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         world = describe_world(env)
+        check_world_matches_allocation(world)
         if env.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
             (self.run_dir / "world.json").write_text(json.dumps(world, indent=1))

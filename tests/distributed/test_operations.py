@@ -25,10 +25,21 @@ BASE = ["model.hidden_size=128", "train.global_batch_size=32", "train.train_iter
 
 def command(run_dir: Path, cache: str, overrides: list[str], nproc: int) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*launcher, "-m", "backend.train", TINY, *BASE, f"data.cache_dir={cache}", f"logger.run_dir={run_dir}", *overrides]
+    return [
+        *launcher,
+        "-m",
+        "backend.train",
+        TINY,
+        *BASE,
+        f"data.cache_dir={cache}",
+        f"logger.run_dir={run_dir}",
+        *overrides,
+    ]
 
 
-def start(run_dir: Path, cache: str, overrides: list[str] = (), nproc: int = 2, torchrun: bool = True) -> subprocess.Popen:
+def start(
+    run_dir: Path, cache: str, overrides: list[str] = (), nproc: int = 2, torchrun: bool = True
+) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / f"launch_{time.monotonic_ns()}.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -81,7 +92,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def wait_for(predicate, timeout: float = 240, poll: float = 0.005):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if (value := predicate()):
+        if value := predicate():
             return value
         time.sleep(poll)
     raise AssertionError("timed out waiting for the run")
@@ -194,7 +205,9 @@ def test_wandb_offline_run_holds_every_metric_and_resumes_the_same_run(tmp_path,
 
 def test_non_finite_loss_stops_before_the_update_naming_the_step(tmp_path):
     data = tmp_path / "huge.jsonl"
-    data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "loss_weight": [1e38] * 4}) + "\n" + json.dumps({"text": "ok ok"}) + "\n")
+    data.write_text(
+        json.dumps({"input_ids": [1, 2, 3, 4], "loss_weight": [1e38] * 4}) + "\n" + json.dumps({"text": "ok ok"}) + "\n"
+    )
     overrides = [f"data.path={data}", "train.global_batch_size=2", "train.max_tokens_per_gpu=64"]
     proc = start(tmp_path / "run", "unused", overrides, nproc=1)
     assert finish(proc) != 0
