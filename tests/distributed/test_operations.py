@@ -136,7 +136,7 @@ def test_kill9_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path
         ckpt = run_dir / "checkpoints"
         proc = start(run_dir, embedded_cache, ["checkpoint.interval=1", "checkpoint.keep_last=0"])
 
-        def writing():
+        def writing(ckpt=ckpt, proc=proc):
             tmp = sorted(ckpt.glob(".tmp_step_*")) if ckpt.exists() else []
             return [t for t in tmp if int(t.name[-8:]) >= 3] or proc.poll() is not None
 
