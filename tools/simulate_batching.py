@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.batching import plan_dynamic, plan_fixed, plan_sort_and_stride  # noqa: E402
+from backend.batching import choose_bucket_edges, pad_multiple, plan_dynamic, plan_fixed, plan_sort_and_stride  # noqa: E402
 from backend.batching.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
 from backend.batching.plan import DEFAULT_MICROBATCH_OVERHEAD  # noqa: E402
 
@@ -47,23 +47,23 @@ def read_lengths_file(path: str) -> list[int]:
     return out
 
 
-def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace):
+def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace, edges=None):
     common = dict(dp_size=args.dp, cp_size=args.cp, pad_to_multiple=args.pad_to_multiple, overhead=args.overhead)
     if scheduler == "dynamic":
-        return plan_dynamic(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, **common)
+        return plan_dynamic(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, bucket_edges=edges, **common)
     if scheduler == "sort_and_stride":
         return plan_sort_and_stride(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, **common)
     return plan_fixed(lengths, micro_batch_size=1, **common)
 
 
-def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace) -> list[dict]:
+def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace, edges=None) -> list[dict]:
     rows = []
     for scheduler in SCHEDULERS:
         tokens = padded = microbatches = step_time = over = oversize = 0
-        coverage_ok, plan_ms, shapes = True, [], []
+        coverage_ok, plan_ms, shapes, padded_lengths = True, [], [], set()
         for lengths in windows:
             start = time.perf_counter()
-            plan = plan_with(scheduler, lengths, args)
+            plan = plan_with(scheduler, lengths, args, edges)
             plan_ms.append((time.perf_counter() - start) * 1e3)
             tokens += plan.tokens
             padded += plan.padded_tokens
@@ -73,6 +73,7 @@ def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace) 
             oversize += plan.oversize_singletons
             coverage_ok &= plan.covers(len(lengths))
             shapes.append(plan.distinct_shapes)
+            padded_lengths |= {mb.padded_len for rank in plan.ranks for mb in rank if mb.indices}
         steps = len(windows)
         rows.append(
             {
@@ -92,13 +93,15 @@ def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace) 
                 "coverage_ok": coverage_ok,
                 "distinct_shapes": statistics.mean(shapes),
                 "plan_ms": statistics.median(plan_ms),
+                "max_shapes": args.max_shapes if scheduler == "dynamic" else 0,
+                "distinct_padded_lengths": len(padded_lengths),
             }
         )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'set':14} {'scheduler':16} {'pad_eff':>8} {'mbs/step':>9} {'step_time':>11} {'vs_dyn':>7} {'over':>5} {'oversz':>6} {'cover':>5} {'plan_ms':>8}"
+    head = f"{'set':14} {'scheduler':16} {'pad_eff':>8} {'mbs/step':>9} {'step_time':>11} {'vs_dyn':>7} {'over':>5} {'oversz':>6} {'cover':>5} {'plan_ms':>8} {'lengths':>7}"
     print(head)
     print("-" * len(head))
     dyn = {r["set"]: r["modelled_step_time"] for r in rows if r["scheduler"] == "dynamic"}
@@ -106,7 +109,7 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['set']:14} {r['scheduler']:16} {r['padding_efficiency']:8.3f} {r['num_microbatches']:9.1f} "
             f"{r['modelled_step_time']:11.0f} {r['modelled_step_time'] / dyn[r['set']]:7.2f} "
-            f"{r['over_budget_microbatches']:5d} {r['oversize_singletons']:6d} {str(r['coverage_ok']):>5} {r['plan_ms']:8.2f}"
+            f"{r['over_budget_microbatches']:5d} {r['oversize_singletons']:6d} {str(r['coverage_ok']):>5} {r['plan_ms']:8.2f} {r['distinct_padded_lengths']:7d}"
         )
 
 
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=8192, help="longest synthetic length")
     p.add_argument("--overhead", type=int, default=DEFAULT_MICROBATCH_OVERHEAD, help="per-microbatch cost, tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shapes", type=int, default=0, help="cap distinct padded lengths (0: exact lengths)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = p.parse_args(argv)
     for name in ("dp", "cp", "max_tokens_per_gpu", "pad_to_multiple", "global_batch_size", "steps", "cap"):
@@ -141,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
             synthetic_lengths(name, gbs, seed=args.seed * 1000 + step, cap=args.cap) for step in range(args.steps)
         ]
     try:
-        rows = [row for name, windows in sets.items() for row in simulate(name, windows, args)]
+        rows = []
+        for name, windows in sets.items():
+            edges = None
+            if args.max_shapes:  # edges from the set's distribution: a separate sample, not the windows
+                sample = (
+                    [n for w in windows for n in w]
+                    if name not in LENGTH_SETS
+                    else synthetic_lengths(name, 20000, seed=10**6 + args.seed, cap=args.cap)
+                )
+                edges = choose_bucket_edges(sample, args.max_shapes, pad_multiple(args.pad_to_multiple, args.cp))
+            rows += simulate(name, windows, args, edges)
     except ValueError as e:
         p.error(str(e))
     if args.json:

@@ -4,6 +4,7 @@ No torch import here: the planner runs anywhere, and every rank computes the sam
 """
 
 from .baselines import plan_sort_and_stride
+from .buckets import bucket_length, choose_bucket_edges
 from .dynamic import plan_dynamic
 from .fixed import plan_fixed
 from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
@@ -12,6 +13,8 @@ from .pricing import microbatch_cost, pad_multiple, round_up
 __all__ = [
     "DEFAULT_MICROBATCH_OVERHEAD",
     "EMPTY_MICROBATCH",
+    "bucket_length",
+    "choose_bucket_edges",
     "Microbatch",
     "StepPlan",
     "microbatch_cost",

@@ -25,6 +25,7 @@ import heapq
 import logging
 from collections.abc import Sequence
 
+from .buckets import bucket_length
 from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
 from .pricing import (
     check_budget,
@@ -46,8 +47,14 @@ def plan_dynamic(
     max_tokens_per_gpu: int,
     pad_to_multiple: int = 1,
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
+    bucket_edges: Sequence[int] | None = None,
 ) -> StepPlan:
-    """Plan one optimizer window (see the module docstring). Raises ValueError on bad input."""
+    """Plan one optimizer window (see the module docstring). Raises ValueError on bad input.
+
+    ``bucket_edges`` (from ``choose_bucket_edges``) pads every row up to the smallest edge that
+    holds it, so plans use at most len(edges) distinct lengths (a length above the last edge
+    keeps its own CP-aligned length).
+    """
     lengths = check_lengths(lengths)
     dp = check_positive_int("dp_size", dp_size)
     cp = check_positive_int("cp_size", cp_size)
@@ -61,6 +68,9 @@ def plan_dynamic(
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
     sorted_lengths = [lengths[i] for i in order]
     sorted_padded = [round_up(n, multiple) for n in sorted_lengths]
+    if bucket_edges:
+        edges = sorted(round_up(int(e), multiple) for e in bucket_edges)
+        sorted_padded = [bucket_length(p, edges) for p in sorted_padded]
     prefix = [0]
     for n in sorted_lengths:
         prefix.append(prefix[-1] + n)

@@ -79,6 +79,9 @@ class TrainConfig:
     max_tokens_per_gpu: int = 0
     # Pad each microbatch's length to this multiple (1 = exact lengths; larger buckets shapes).
     dynamic_batch_pad_to_multiple: int = 1
+    # Cap on distinct padded lengths (0 = exact lengths): K bucket edges chosen from the data's
+    # length distribution to lose the least padding; bounds FlexAttention recompiles / CUDA graphs.
+    dynamic_batch_max_shapes: int = 0
     # Fixed cost of one microbatch in the planner's step-time model, in tokens.
     dynamic_batch_overhead: int = 2048
     # Budget for forward-only passes (log-probabilities); 0 means max_tokens_per_gpu.

@@ -42,6 +42,7 @@ _NON_NEGATIVE = (
     "model.max_position_embeddings",
     "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
+    "train.dynamic_batch_max_shapes",
     "train.forward_max_tokens_per_gpu",
     "scheduler.warmup_iters",
     "checkpoint.interval",

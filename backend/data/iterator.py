@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.batching import StepPlan, plan_dynamic, plan_fixed
+from backend.batching import StepPlan, choose_bucket_edges, pad_multiple, plan_dynamic, plan_fixed
 
 from .collate import MicrobatchTensors, collate
 from .sampler import WindowSampler
@@ -20,7 +20,20 @@ from .sampler import WindowSampler
 Planner = Callable[[list[int]], StepPlan]
 
 
-def planner_from_config(train_cfg, *, dp_size: int, cp_size: int, forward: bool = False) -> Planner:
+def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sample: int = 65536) -> list[int] | None:
+    """Bucket edges from the data set's lengths (a seeded sample of them) when max_shapes is set."""
+    if not train_cfg.dynamic_batch_max_shapes:
+        return None
+    lengths = np.asarray(lengths)
+    if len(lengths) > sample:
+        lengths = lengths[np.random.default_rng(train_cfg.seed).choice(len(lengths), sample, replace=False)]
+    multiple = pad_multiple(train_cfg.dynamic_batch_pad_to_multiple, cp_size)
+    return choose_bucket_edges(lengths.tolist(), train_cfg.dynamic_batch_max_shapes, multiple)
+
+
+def planner_from_config(
+    train_cfg, *, dp_size: int, cp_size: int, forward: bool = False, bucket_edges: list[int] | None = None
+) -> Planner:
     """plan_dynamic under the token budget when dynamic batching is on, else plan_fixed."""
     if train_cfg.dynamic_batch_enable or forward:
         budget = train_cfg.max_tokens_per_gpu
@@ -34,6 +47,7 @@ def planner_from_config(train_cfg, *, dp_size: int, cp_size: int, forward: bool 
                 max_tokens_per_gpu=budget,
                 pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
                 overhead=train_cfg.dynamic_batch_overhead,
+                bucket_edges=bucket_edges,
             )
     return functools.partial(
         plan_fixed,

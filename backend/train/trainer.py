@@ -12,7 +12,7 @@ import torch
 
 from backend.config import Config, save_config
 from backend.data.build import build_dataset
-from backend.data.iterator import DataIterator, planner_from_config
+from backend.data.iterator import DataIterator, bucket_edges_for, planner_from_config
 from backend.data.sampler import WindowSampler
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
@@ -64,7 +64,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
 
         sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)
+        edges = bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=env.cp_size)
+        if edges and env.is_main:
+            log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
+        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges)
         self.data = DataIterator(
             self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
