@@ -8,6 +8,7 @@ fixed and dynamic plans produce the same gradient up to floating-point summation
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -50,7 +51,9 @@ def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     return (losses * mb.loss_weight).sum()
 
 
-def train_step(model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, on_grads=None) -> dict:
+def train_step(
+    model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, on_grads=None, meter=None
+) -> dict:
     """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
@@ -61,7 +64,10 @@ def train_step(model, optimizer, scheduler, data: StepData, env, *, clip_grad: f
     count = len(data.microbatches)
     for j, mb in enumerate(data.microbatches):
         set_grad_sync(model, j == count - 1)
-        loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
+        if meter is not None:  # CPU activation accounting (see backend.train.memory)
+            meter.reset_microbatch()
+        with meter.watch() if meter is not None else contextlib.nullcontext():
+            loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
         (loss_sum / normaliser).backward()
         local_sum += loss_sum.detach().double()
     dist.all_reduce(local_sum)
