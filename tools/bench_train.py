@@ -36,7 +36,9 @@ def build(env, args):
         if cuda
         else ["model.hidden_size=128", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2"]
     )
-    cfg = load_config(None, [*size, "optimizer.lr=1e-5", "optimizer.min_lr=1e-6", "scheduler.warmup_iters=0", *args.override])
+    cfg = load_config(
+        None, [*size, "optimizer.lr=1e-5", "optimizer.min_lr=1e-6", "scheduler.warmup_iters=0", *args.override]
+    )
     backend = resolve_backend(args.attention, device=env.device)
     vocab = 32768 if cuda else 256
     model = build_gpt(cfg.model, vocab_size=vocab, max_seq_length=8192, backend=backend, seed=0)
@@ -44,30 +46,46 @@ def build(env, args):
     model = wrap_fsdp(model, env, bf16=cuda)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.scheduler, 10**6)
-    info = {"parameters": params, "hidden_size": cfg.model.hidden_size, "num_layers": cfg.model.num_layers,
-            "attention_backend": backend, "precision": "bf16" if cuda else "fp32", "dtype_note": str(torch.get_default_dtype())}
+    info = {
+        "parameters": params,
+        "hidden_size": cfg.model.hidden_size,
+        "num_layers": cfg.model.num_layers,
+        "attention_backend": backend,
+        "precision": "bf16" if cuda else "fp32",
+        "dtype_note": str(torch.get_default_dtype()),
+    }
     return model, optimizer, scheduler, info
 
 
 def print_table(result: dict) -> None:
     cal = result["calibration"]
-    print(f"device {result['device']} | dp {result['dp']} | model {result['model']['parameters'] / 1e6:.1f}M params, "
-          f"{result['model']['attention_backend']}, {result['model']['precision']}")
-    print(f"cost model: {cal['c0_s'] * 1e3:.2f} ms/microbatch + {cal['c1_s_per_token'] * 1e6:.3f} us/token + "
-          f"{cal['c2_s_per_token_len'] * 1e9:.4f} ns/token/len; t_step {cal['t_step_s'] * 1e3:.1f} ms; "
-          f"planner overhead {cal['overhead_tokens']} tokens")
-    head = (f"{'set':12} {'arm':11} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
-            f"{'real_s':>7} {'pad_s':>7} {'ovh_s':>7} {'pred_s':>7}")
+    print(
+        f"device {result['device']} | dp {result['dp']} | model {result['model']['parameters'] / 1e6:.1f}M params, "
+        f"{result['model']['attention_backend']}, {result['model']['precision']}"
+    )
+    print(
+        f"cost model: {cal['c0_s'] * 1e3:.2f} ms/microbatch + {cal['c1_s_per_token'] * 1e6:.3f} us/token + "
+        f"{cal['c2_s_per_token_len'] * 1e9:.4f} ns/token/len; t_step {cal['t_step_s'] * 1e3:.1f} ms; "
+        f"planner overhead {cal['overhead_tokens']} tokens"
+    )
+    head = (
+        f"{'set':12} {'arm':11} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
+        f"{'real_s':>7} {'pad_s':>7} {'ovh_s':>7} {'pred_s':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, s in result["sets"].items():
         for arm, a in s["arms"].items():
-            print(f"{name:12} {arm:11} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
-                  f"{a['microbatches_per_step']:6.1f} {a['peak_memory_bytes'] / 2**20:9.1f} {a['distinct_shapes']:6d} "
-                  f"{a['real_compute_s']:7.3f} {a['padding_compute_s']:7.3f} {a['overhead_s']:7.3f} {a['predicted_step_time_s']:7.3f}")
-        print(f"{name:12} speedup vs mbs1: measured {s['speedup_vs_mbs1']:.2f}x, predicted {s['predicted_speedup']:.2f}x "
-              f"(ratio {s['speedup_vs_mbs1'] / s['predicted_speedup']:.2f}); vs fixed mbs {s['fixed_safe_mbs']}: "
-              f"{s['speedup_vs_fixed_safe']:.2f}x")
+            print(
+                f"{name:12} {arm:11} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
+                f"{a['microbatches_per_step']:6.1f} {a['peak_memory_bytes'] / 2**20:9.1f} {a['distinct_shapes']:6d} "
+                f"{a['real_compute_s']:7.3f} {a['padding_compute_s']:7.3f} {a['overhead_s']:7.3f} {a['predicted_step_time_s']:7.3f}"
+            )
+        print(
+            f"{name:12} speedup vs mbs1: measured {s['speedup_vs_mbs1']:.2f}x, predicted {s['predicted_speedup']:.2f}x "
+            f"(ratio {s['speedup_vs_mbs1'] / s['predicted_speedup']:.2f}); vs fixed mbs {s['fixed_safe_mbs']}: "
+            f"{s['speedup_vs_fixed_safe']:.2f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,18 +97,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", help="model.attention_backend")
     p.add_argument("--override", action="append", default=[], help="dotted.key=value for the model config")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="scale sequences per step (a quick smoke run: 0.1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.dp > 1 and "WORLD_SIZE" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.dp}", __file__,
-               *(argv if argv is not None else sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.dp}",
+            __file__,
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
         return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
 
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
     from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.batching.length_sets import synthetic_lengths
     from backend.train.bench import CPU_SETS, GPU_SETS, calibrate, measure_t_step, run_set
 
     env = init_distributed(1)
@@ -101,15 +128,26 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown --sets {sorted(unknown)}; choose from {sorted(catalogue)}")
         specs = {name: catalogue[name] for name in args.sets}
-        cal = calibrate(model, env, max_tokens=max(s[3] for s in specs.values()), max_len=max(s[1] for s in specs.values()) if env.device.type == "cuda" else 2048)
+        if args.scale != 1.0:
+            specs = {n: (g, cap, max(env.dp_size, int(gbs * args.scale)), b) for n, (g, cap, gbs, b) in specs.items()}
+        longest = max(max(synthetic_lengths(g, 2000, seed=0, cap=cap)) for g, cap, _, _ in specs.values())
+        cal = calibrate(model, env, max_tokens=max(s[3] for s in specs.values()), max_len=longest)
         cal["t_step_s"] = measure_t_step(model, optimizer, scheduler, env, cal)
         sets = {
-            name: run_set(model, optimizer, scheduler, env, name, spec, cal, steps=args.steps, warmup=args.warmup, seed=args.seed)
+            name: run_set(
+                model, optimizer, scheduler, env, name, spec, cal, steps=args.steps, warmup=args.warmup, seed=args.seed
+            )
             for name, spec in specs.items()
         }
-        result = {"device": str(env.device), "dp": env.dp_size, "model": info, "calibration": cal, "steps": args.steps,
-                  "memory_measure": "cuda_allocator_peak" if env.device.type == "cuda" else "saved_activation_bytes_peak",
-                  "sets": sets}
+        result = {
+            "device": str(env.device),
+            "dp": env.dp_size,
+            "model": info,
+            "calibration": cal,
+            "steps": args.steps,
+            "memory_measure": "cuda_allocator_peak" if env.device.type == "cuda" else "saved_activation_bytes_peak",
+            "sets": sets,
+        }
         if env.is_main:
             print_table(result)
             if args.json:

@@ -6,14 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
-TORCH_PIN="torch==2.13.0"
+TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 EXTRAS="${EXTRAS:-dev}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+want="${TORCH_PIN#torch==}"
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${want%%+*}')" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
 fi
 constraints="$(mktemp)"

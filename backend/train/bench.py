@@ -93,8 +93,13 @@ def calibrate(model, env, *, max_tokens: int, max_len: int, repeats: int = 3, se
     x, y = np.array(xs), np.array(ys)
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
     c0, c1, c2 = (max(0.0, float(c)) for c in coef)
-    return {"c0_s": c0, "c1_s_per_token": c1, "c2_s_per_token_len": c2, "shapes": len(shapes),
-            "overhead_tokens": int(round(c0 / c1)) if c1 > 0 else 2048}
+    return {
+        "c0_s": c0,
+        "c1_s_per_token": c1,
+        "c2_s_per_token_len": c2,
+        "shapes": len(shapes),
+        "overhead_tokens": int(round(c0 / c1)) if c1 > 0 else 2048,
+    }
 
 
 def _mb_parts(mb: Microbatch, lengths: list[int], cal: dict) -> tuple[float, float, float]:
@@ -120,8 +125,12 @@ def breakdown(plan: StepPlan, lengths: list[int], cal: dict, t_step: float) -> d
         parts = [_mb_parts(rank[j], lengths, cal) for rank in plan.ranks]
         slowest = max(parts, key=sum)
         real, pad, over = real + slowest[0], pad + slowest[1], over + slowest[2]
-    return {"real_compute_s": real, "padding_compute_s": pad, "overhead_s": over + t_step,
-            "predicted_step_time_s": real + pad + over + t_step}
+    return {
+        "real_compute_s": real,
+        "padding_compute_s": pad,
+        "overhead_s": over + t_step,
+        "predicted_step_time_s": real + pad + over + t_step,
+    }
 
 
 def make_arms(lengths: list[int], *, dp: int, cap: int, budget: int, overhead: int) -> dict[str, StepPlan]:
@@ -133,7 +142,9 @@ def make_arms(lengths: list[int], *, dp: int, cap: int, budget: int, overhead: i
     }
 
 
-def run_set(model, optimizer, scheduler, env, name: str, spec: tuple, cal: dict, *, steps: int, warmup: int, seed: int) -> dict:
+def run_set(
+    model, optimizer, scheduler, env, name: str, spec: tuple, cal: dict, *, steps: int, warmup: int, seed: int
+) -> dict:
     generator, cap, gbs, budget = spec
     rng = np.random.default_rng(seed)
     windows = [synthetic_lengths(generator, gbs, seed=seed * 1000 + s, cap=cap) for s in range(warmup + steps)]
@@ -150,8 +161,12 @@ def run_set(model, optimizer, scheduler, env, name: str, spec: tuple, cal: dict,
         order = ARMS[step % 3 :] + ARMS[: step % 3]  # alternate which arm goes first
         for arm in order:
             plan = plans[arm]
-            data = StepData(ids, plan, collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=0, cp_size=1),
-                            int(sum(n - 1 for n in lengths)))
+            data = StepData(
+                ids,
+                plan,
+                collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=0, cp_size=1),
+                int(sum(n - 1 for n in lengths)),
+            )
             meter = SavedActivationMeter() if env.device.type == "cpu" else None
             _sync(env)
             if env.device.type == "cuda":
@@ -210,7 +225,9 @@ def measure_t_step(model, optimizer, scheduler, env, cal: dict, repeats: int = 3
     plan = plan_fixed([16] * env.dp_size, dp_size=env.dp_size, micro_batch_size=1)
     times = []
     for step in range(repeats + 1):
-        data = StepData(ids, plan, collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=0, cp_size=1), 15 * env.dp_size)
+        data = StepData(
+            ids, plan, collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=0, cp_size=1), 15 * env.dp_size
+        )
         _sync(env)
         start = time.perf_counter()
         train_step(model, optimizer, scheduler, data, env, clip_grad=1.0, step=step)
