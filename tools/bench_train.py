@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.batching.length_sets import synthetic_lengths
+    from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.train.bench import CPU_SETS, GPU_SETS, calibrate, measure_t_step, run_set
 
     env = init_distributed(1)
