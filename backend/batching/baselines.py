@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import check_budget, check_lengths, check_positive_int, microbatch_cost, pad_multiple, round_up
+from .plan import DEFAULT_MICROBATCH_OVERHEAD, Microbatch, StepPlan, make_microbatch
+from .pricing import check_budget, check_plan_args, microbatch_cost, round_up
 
 
 def plan_sort_and_stride(
@@ -22,10 +22,7 @@ def plan_sort_and_stride(
     pad_to_multiple: int = 1,
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
 ) -> StepPlan:
-    lengths = check_lengths(lengths)
-    dp = check_positive_int("dp_size", dp_size)
-    cp = check_positive_int("cp_size", cp_size)
-    multiple = pad_multiple(check_positive_int("pad_to_multiple", pad_to_multiple), cp)
+    lengths, dp, cp, multiple = check_plan_args(lengths, dp_size, cp_size, pad_to_multiple, overhead)
     budget = check_budget(max_tokens_per_gpu, multiple, cp)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     per_rank = [order[r::dp] for r in range(dp)]
@@ -37,18 +34,7 @@ def plan_sort_and_stride(
         rows = max(1, budget // microbatch_cost(1, shared_len, cp))
         end = min(depth, pos + rows)
         for r in range(dp):
-            idx = tuple(per_rank[r][pos:end])
-            if not idx:
-                ranks[r].append(EMPTY_MICROBATCH)
-                continue
-            ranks[r].append(
-                Microbatch(
-                    indices=idx,
-                    padded_len=shared_len,
-                    cost=microbatch_cost(len(idx), shared_len, cp),
-                    tokens=sum(lengths[i] for i in idx),
-                )
-            )
+            ranks[r].append(make_microbatch(tuple(per_rank[r][pos:end]), shared_len, lengths, cp))
         pos = end
     oversize = sum(1 for n in lengths if microbatch_cost(1, round_up(n, multiple), cp) > budget)
     return StepPlan(

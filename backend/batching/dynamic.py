@@ -27,14 +27,7 @@ from collections.abc import Sequence
 
 from .buckets import bucket_length
 from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import (
-    check_budget,
-    check_lengths,
-    check_positive_int,
-    microbatch_cost,
-    pad_multiple,
-    round_up,
-)
+from .pricing import check_budget, check_plan_args, microbatch_cost, round_up
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +48,7 @@ def plan_dynamic(
     holds it, so plans use at most len(edges) distinct lengths (a length above the last edge
     keeps its own CP-aligned length).
     """
-    lengths = check_lengths(lengths)
-    dp = check_positive_int("dp_size", dp_size)
-    cp = check_positive_int("cp_size", cp_size)
-    pad = check_positive_int("pad_to_multiple", pad_to_multiple)
-    if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
-        raise ValueError(f"overhead must be an integer >= 0 (token-equivalents), got {overhead!r}")
-    multiple = pad_multiple(pad, cp)
+    lengths, dp, cp, multiple = check_plan_args(lengths, dp_size, cp_size, pad_to_multiple, overhead)
     budget = check_budget(max_tokens_per_gpu, multiple, cp)
 
     # Longest first; padded length is monotone in length, and a stable sort breaks ties on position.

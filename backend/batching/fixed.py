@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import check_lengths, check_positive_int, microbatch_cost, pad_multiple, round_up
+from .plan import DEFAULT_MICROBATCH_OVERHEAD, Microbatch, StepPlan, make_microbatch
+from .pricing import check_plan_args, check_positive_int, round_up
 
 
 def plan_fixed(
@@ -23,29 +23,16 @@ def plan_fixed(
     pad_to_multiple: int = 1,
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
 ) -> StepPlan:
-    lengths = check_lengths(lengths)
-    dp = check_positive_int("dp_size", dp_size)
-    cp = check_positive_int("cp_size", cp_size)
+    lengths, dp, cp, multiple = check_plan_args(lengths, dp_size, cp_size, pad_to_multiple, overhead)
     mbs = check_positive_int("micro_batch_size", micro_batch_size)
-    multiple = pad_multiple(check_positive_int("pad_to_multiple", pad_to_multiple), cp)
     num_slots = -(-len(lengths) // (dp * mbs))
     ranks: list[list[Microbatch]] = [[] for _ in range(dp)]
     for slot in range(num_slots):
         for rank in range(dp):
             start = (slot * dp + rank) * mbs
             indices = tuple(range(start, min(start + mbs, len(lengths))))
-            if not indices:
-                ranks[rank].append(EMPTY_MICROBATCH)
-                continue
-            padded_len = round_up(max(lengths[i] for i in indices), multiple)
-            ranks[rank].append(
-                Microbatch(
-                    indices=indices,
-                    padded_len=padded_len,
-                    cost=microbatch_cost(len(indices), padded_len, cp),
-                    tokens=sum(lengths[i] for i in indices),
-                )
-            )
+            padded_len = round_up(max(lengths[i] for i in indices), multiple) if indices else 0
+            ranks[rank].append(make_microbatch(indices, padded_len, lengths, cp))
     return StepPlan(
         ranks=tuple(tuple(r) for r in ranks),
         cp_size=cp,

@@ -46,6 +46,18 @@ class Microbatch:
 EMPTY_MICROBATCH = Microbatch(indices=(), padded_len=0, cost=0, tokens=0)
 
 
+def make_microbatch(indices: tuple[int, ...], padded_len: int, lengths, cp_size: int) -> Microbatch:
+    """A microbatch of ``indices`` padded to ``padded_len``, priced per GPU (empty when no indices)."""
+    if not indices:
+        return EMPTY_MICROBATCH
+    return Microbatch(
+        indices=indices,
+        padded_len=padded_len,
+        cost=len(indices) * padded_len // cp_size,
+        tokens=sum(lengths[i] for i in indices),
+    )
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Rank-major microbatches (execution order within a rank) plus how the plan was made."""

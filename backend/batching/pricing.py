@@ -68,3 +68,16 @@ def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int
             f"holds {smallest} tokens per GPU; use max_tokens_per_gpu >= {smallest}"
         )
     return budget
+
+
+def check_plan_args(
+    lengths: Sequence[int], dp_size: object, cp_size: object, pad_to_multiple: object, overhead: object
+):
+    """The checks every planner makes: (lengths, dp, cp, multiple), or a ValueError naming the argument."""
+    lengths = check_lengths(lengths)
+    dp = check_positive_int("dp_size", dp_size)
+    cp = check_positive_int("cp_size", cp_size)
+    pad = check_positive_int("pad_to_multiple", pad_to_multiple)
+    if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
+        raise ValueError(f"overhead must be an integer >= 0 (token-equivalents), got {overhead!r}")
+    return lengths, dp, cp, pad_multiple(pad, cp)
