@@ -42,7 +42,8 @@ def peaks(rank: int, world: int):
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_scheduler(opt, cfg.optimizer, cfg.scheduler, 100)
     rng = np.random.default_rng(0)
-    windows = {"short": [64] * 16, "one_long": [64] * 15 + [1024]}
+    # 8,192 tokens a window: more than the largest budget, so each budget fills its microbatches.
+    windows = {"short": [64] * 128, "one_long": [64] * 127 + [1024]}
 
     def peak(lengths, planner):
         ds = InMemoryDataset([Sample(tokens=rng.integers(0, 256, n)) for n in lengths], "mem")
@@ -70,11 +71,12 @@ def test_peak_memory_follows_the_budget_not_the_longest_draw(tmp_path):
     assert p["fixed_one_long"] > 8 * p["fixed_short"]
     # ... a dynamic plan's peak is set by its budget: it grows with the budget ...
     assert p["dynamic256_short"] < p["dynamic1024_short"] < p["dynamic4096_short"]
-    # ... and the long draw only costs what the budget allows (the 1024-token row is one microbatch
-    # at budget 1024, so the same cap holds; at 256 it is an oversize singleton of 1024 tokens).
-    assert p["dynamic1024_one_long"] <= 1.5 * p["dynamic1024_short"]
-    assert p["dynamic4096_one_long"] <= 1.5 * p["dynamic4096_short"]
-    assert p["dynamic1024_one_long"] < p["fixed_one_long"] / 2
+    # ... and a long draw costs about what the budget allows: at 4096 tokens it changes nothing; at
+    # 1024 the 1024-token row fills one microbatch by itself, and only its attention (quadratic in
+    # length, which a token budget does not price) adds to the peak, far below the fixed plan's jump.
+    assert p["dynamic4096_one_long"] <= 1.1 * p["dynamic4096_short"]
+    assert p["dynamic1024_one_long"] <= 2.0 * p["dynamic1024_short"]
+    assert p["dynamic1024_one_long"] < p["fixed_one_long"] / 3
 
 
 def test_bench_train_quick_run_reports_every_key(tmp_path):

@@ -1,0 +1,60 @@
+"""tools/compute_logprobs.py: a trained checkpoint's per-token log-probabilities, in input order."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, TINY
+
+pytestmark = pytest.mark.distributed
+
+
+def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded_cache):
+    run = tmp_path / "run"
+    common = [f"data.cache_dir={embedded_cache}", f"logger.run_dir={run}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    train = subprocess.run(
+        [sys.executable, "-m", "backend.train", TINY, *common, "train.train_iters=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    samples = tmp_path / "samples.jsonl"
+    texts = ["def f(x):\n    return x + 1\n", "a", "import os\nprint(os.getcwd())\n" * 3]
+    samples.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    outs = []
+    for nproc in (1, 2):
+        out = tmp_path / f"lp{nproc}.jsonl"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "tools/compute_logprobs.py",
+            TINY,
+            *common,
+            "train.forward_max_tokens_per_gpu=64",
+            "--input",
+            str(samples),
+            "--output",
+            str(out),
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "step_00000001" in proc.stdout
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    for rows in outs:
+        assert [r["index"] for r in rows] == [0, 1, 2]
+        assert [len(r["logprobs"]) for r in rows] == [len(t.encode()) - 1 for t in texts]
+        assert all(x <= 0 for r in rows for x in r["logprobs"])
+    for a, b in zip(outs[0], outs[1]):
+        assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= 1e-5

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Per-token log-probabilities of a JSONL file's samples under a config's model (forward only).
+
+    python tools/compute_logprobs.py configs/quickstart.yaml --input samples.jsonl --output logprobs.jsonl \
+        [--checkpoint runs/quickstart/checkpoints/step_00000020] [dotted.key=value ...]
+    torchrun --nproc-per-node 8 tools/compute_logprobs.py CONFIG --input ... --output ...
+
+Samples are planned under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu),
+spread over data-parallel ranks, right-padded, run, cropped, and written in input order: one line
+per sample, {"index": i, "logprobs": [log p(token t | tokens before t) for t = 1..n-1]}.
+Without --checkpoint the newest complete checkpoint in the config's checkpoint directory is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--input", required=True, help="JSONL with text or input_ids per line")
+    p.add_argument("--output", required=True)
+    p.add_argument("--checkpoint", help="a step_* checkpoint directory (default: the newest complete one)")
+    args = p.parse_args(argv)
+
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from backend.config import ConfigError, load_config, validate
+    from backend.data.iterator import planner_from_config
+    from backend.data.jsonl import DataFormatError, read_jsonl
+    from backend.data.tokenizers import build_tokenizer
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.model.attention import resolve_backend
+    from backend.model.builder import build_gpt, padded_vocab
+    from backend.train.checkpoint import complete_checkpoints
+    from backend.train.forward_only import compute_logprobs
+    from backend.train.trainer import use_bf16
+    from backend.train.wrap import wrap_fsdp
+
+    try:
+        cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        samples = list(read_jsonl(args.input, tokenizer, cfg.data.json_key))
+    except (ConfigError, DataFormatError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
+        print("error: set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)", file=sys.stderr)
+        return 2
+    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+    try:
+        backend = resolve_backend(cfg.model.attention_backend, device=env.device, training=False)
+        model = build_gpt(
+            cfg.model,
+            vocab_size=padded_vocab(cfg.model, tokenizer.vocab_size),
+            max_seq_length=cfg.data.max_seq_length,
+            backend=backend,
+            seed=cfg.train.seed,
+        )
+        model = wrap_fsdp(model, env, bf16=use_bf16(cfg, env.device))
+        ckpt = args.checkpoint
+        if ckpt is None:
+            found = complete_checkpoints(cfg.checkpoint.dir or Path(cfg.logger.run_dir) / "checkpoints")
+            ckpt = str(found[-1]) if found else None
+        if ckpt is not None:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=ckpt)  # model weights only; the optimizer state is not read
+            set_model_state_dict(model, state["model"])
+        elif env.is_main:
+            print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
+        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        logprobs = compute_logprobs(model, samples, env, planner)
+        if env.is_main:
+            with open(args.output, "w", encoding="utf-8") as f:
+                for i, lp in enumerate(logprobs):
+                    f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
+            print(f"wrote log-probabilities of {len(samples)} samples to {args.output} (checkpoint: {ckpt})")
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
