@@ -102,15 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.dp > 1 and "WORLD_SIZE" not in os.environ:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.dp}",
-            __file__,
-            *(argv if argv is not None else sys.argv[1:]),
-        ]
+        from backend.distributed.launch import torchrun_command
+
+        cmd = torchrun_command(args.dp, __file__, *(argv if argv is not None else sys.argv[1:]))
         return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
 
     import logging

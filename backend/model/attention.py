@@ -15,6 +15,7 @@ owners) and masked by global position, so the gathered order does not matter.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +35,7 @@ class _GatherFromCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        world = dist.get_world_size(group)
-        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return _gather_plain(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -47,13 +45,11 @@ class _GatherFromCP(torch.autograd.Function):
         return out, None
 
 
-def gather_cp(x: torch.Tensor, group, differentiable: bool = True) -> torch.Tensor:
-    """[s_local, ...] from every CP rank, concatenated in rank order along dim 0."""
+def gather_cp(x: torch.Tensor, group) -> torch.Tensor:
+    """[s_local, ...] from every CP rank, concatenated in rank order along dim 0 (differentiable)."""
     if group is None or dist.get_world_size(group) == 1:
         return x
-    if differentiable:
-        return _GatherFromCP.apply(x, group)
-    return _gather_plain(x, group)
+    return _GatherFromCP.apply(x, group)
 
 
 def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
@@ -118,7 +114,11 @@ def sdpa_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.dense_mask(), scale=scale, enable_gqa=True)
 
 
-_compiled_flex: dict[str, Callable] = {}
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
@@ -135,11 +135,7 @@ def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
         ctx._cache["block_mask"] = create_block_mask(
             mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128
         )
-    fn = flex_attention
-    if q.is_cuda:
-        if "fn" not in _compiled_flex:
-            _compiled_flex["fn"] = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex["fn"]
+    fn = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU (forward only)
     return fn(q, k, v, block_mask=ctx._cache["block_mask"], scale=scale, enable_gqa=True)
 
 

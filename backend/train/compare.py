@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from backend.distributed.launch import torchrun_command
+
 
 def _full_flat(tensors) -> torch.Tensor:
     parts = []
@@ -77,12 +79,8 @@ def run_arm(
     """Launch one arm under torchrun and load what its rank 0 recorded."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
+    cmd = torchrun_command(
+        nproc,
         "-m",
         "backend.train.compare",
         str(out),
@@ -90,7 +88,7 @@ def run_arm(
         config,
         *overrides,
         f"logger.run_dir={out_dir / name}",
-    ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from backend.distributed.launch import torchrun_command
 from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.distributed
@@ -33,12 +34,8 @@ def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded
     outs = []
     for nproc in (1, 2):
         out = tmp_path / f"lp{nproc}.jsonl"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
+        cmd = torchrun_command(
+            nproc,
             "tools/compute_logprobs.py",
             TINY,
             *common,
@@ -47,7 +44,7 @@ def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded
             str(samples),
             "--output",
             str(out),
-        ]
+        )
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "step_00000001" in proc.stdout

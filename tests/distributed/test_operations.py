@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.distributed.launch import torchrun_command
 from backend.logging.metrics import REQUIRED_KEYS
 from tests.conftest import REPO, TINY
 from tests.helpers.wandb_reader import history
@@ -24,7 +25,7 @@ BASE = ["model.hidden_size=128", "train.global_batch_size=32", "train.train_iter
 
 
 def command(run_dir: Path, cache: str, overrides: list[str], nproc: int) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = torchrun_command(nproc)
     return [
         *launcher,
         "-m",
