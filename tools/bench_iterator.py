@@ -11,7 +11,6 @@ Run it on one core (taskset -c 0) for the one-core figure.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -22,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.batching import plan_dynamic  # noqa: E402
-from backend.batching.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
+from backend.batching import PlanArgs, make_planner  # noqa: E402
+from backend.bench.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
 from backend.data.iterator import DataIterator  # noqa: E402
 from backend.data.jsonl import InMemoryDataset  # noqa: E402
 from backend.data.sample import Sample  # noqa: E402
@@ -43,19 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     lengths = synthetic_lengths(args.set, args.global_batch_size * 4, seed=1)
     dataset = InMemoryDataset([Sample(tokens=rng.integers(0, 256, n)) for n in lengths], source=args.set)
-    planner = functools.partial(
-        plan_dynamic, dp_size=args.dp, cp_size=args.cp, max_tokens_per_gpu=args.max_tokens_per_gpu
+    planner = make_planner(
+        "dynamic", PlanArgs(dp_size=args.dp, cp_size=args.cp, max_tokens_per_gpu=args.max_tokens_per_gpu)
     )
     plan_ms, step_ms = [], []
+
+    def timed_planner(lengths):  # the iterator's own planning call, timed inside the step
+        start = time.perf_counter()
+        plan = planner(lengths)
+        plan_ms.append((time.perf_counter() - start) * 1e3)
+        return plan
+
     for rank in range(min(args.dp, 2)):  # rank 0 holds the costliest microbatches
         sampler = WindowSampler(len(dataset), args.global_batch_size, seed=0)
-        it = DataIterator(dataset, sampler, planner, dp_rank=rank, cp_rank=0, cp_size=args.cp)
+        it = DataIterator(dataset, sampler, timed_planner, dp_rank=rank, cp_rank=0, cp_size=args.cp)
         for _ in range(args.steps):
-            window = sampler.next_window()
-            sampler.consumed -= len(window)  # let the iterator draw the same window
-            start = time.perf_counter()
-            planner([int(n) for n in dataset.lengths[window]])
-            plan_ms.append((time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
             next(it)
             step_ms.append((time.perf_counter() - start) * 1e3)

@@ -6,7 +6,7 @@
 
 Arms on the same windows, alternating each step: micro-batch size 1, the largest fixed size safe
 for the longest sequence, and dynamic batching. Prints a table and, with --json, one JSON object
-(DESIGN.md section 4 keys: sets -> speedup_vs_mbs1, predicted_speedup, padding_efficiency, arms).
+(keys: sets -> speedup_vs_mbs1, predicted_speedup, padding_efficiency, arms; see the README's Performance section).
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build(env, args):
-    import torch
-
     from backend.config import load_config
-    from backend.model.attention import resolve_backend
-    from backend.model.builder import build_gpt
+    from backend.model.factory import build_model
     from backend.train.optim import build_optimizer, build_scheduler
-    from backend.train.wrap import wrap_fsdp
 
     cuda = env.device.type == "cuda"
     size = (
@@ -37,24 +33,30 @@ def build(env, args):
         else ["model.hidden_size=128", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2"]
     )
     cfg = load_config(
-        None, [*size, "optimizer.lr=1e-5", "optimizer.min_lr=1e-6", "scheduler.warmup_iters=0", *args.override]
+        None,
+        [
+            *size,
+            f"model.vocab_size={32768 if cuda else 256}",
+            f"model.attention_backend={args.attention}",
+            "data.max_seq_length=8192",
+            "train.seed=0",
+            "optimizer.lr=1e-5",
+            "optimizer.min_lr=1e-6",
+            "scheduler.warmup_iters=0",
+            *args.override,
+        ],
     )
-    backend = resolve_backend(args.attention, device=env.device)
-    vocab = 32768 if cuda else 256
-    model = build_gpt(cfg.model, vocab_size=vocab, max_seq_length=8192, backend=backend, seed=0)
-    params = sum(p.numel() for p in model.parameters())
-    model = wrap_fsdp(model, env, bf16=cuda)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    built = build_model(cfg, env, tokenizer_vocab=256)
+    optimizer = build_optimizer(built.model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.scheduler, 10**6)
     info = {
-        "parameters": params,
+        "parameters": built.num_parameters,
         "hidden_size": cfg.model.hidden_size,
         "num_layers": cfg.model.num_layers,
-        "attention_backend": backend,
-        "precision": "bf16" if cuda else "fp32",
-        "dtype_note": str(torch.get_default_dtype()),
+        "attention_backend": built.attention_backend,
+        "precision": "bf16" if built.bf16 else "fp32",
     }
-    return model, optimizer, scheduler, info
+    return built.model, optimizer, scheduler, info
 
 
 def print_table(result: dict) -> None:
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    from backend.batching.length_sets import synthetic_lengths
+    from backend.bench.length_sets import synthetic_lengths
+    from backend.bench.train_bench import CPU_SETS, GPU_SETS, calibrate, measure_t_step, run_set
     from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.train.bench import CPU_SETS, GPU_SETS, calibrate, measure_t_step, run_set
 
     env = init_distributed(1)
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.train.compare import compare, run_arm  # noqa: E402
+from backend.bench.compare import compare, run_arm  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,17 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from backend.config import ConfigError, load_config, validate
+    from backend.config import ConfigError, checkpoint_dir, load_config, validate
     from backend.data.iterator import planner_from_config
     from backend.data.jsonl import DataFormatError, read_jsonl
     from backend.data.tokenizers import build_tokenizer
     from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.model.attention import resolve_backend
-    from backend.model.builder import build_gpt, padded_vocab
+    from backend.model.factory import build_model
     from backend.train.checkpoint import complete_checkpoints
     from backend.train.forward_only import compute_logprobs
-    from backend.train.trainer import use_bf16
-    from backend.train.wrap import wrap_fsdp
 
     try:
         cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
@@ -59,18 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
     try:
-        backend = resolve_backend(cfg.model.attention_backend, device=env.device, training=False)
-        model = build_gpt(
-            cfg.model,
-            vocab_size=padded_vocab(cfg.model, tokenizer.vocab_size),
-            max_seq_length=cfg.data.max_seq_length,
-            backend=backend,
-            seed=cfg.train.seed,
-        )
-        model = wrap_fsdp(model, env, bf16=use_bf16(cfg, env.device))
+        model = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False).model
         ckpt = args.checkpoint
         if ckpt is None:
-            found = complete_checkpoints(cfg.checkpoint.dir or Path(cfg.logger.run_dir) / "checkpoints")
+            found = complete_checkpoints(checkpoint_dir(cfg))
             ckpt = str(found[-1]) if found else None
         if ckpt is not None:
             state = {"model": get_model_state_dict(model)}

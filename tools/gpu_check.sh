@@ -23,7 +23,7 @@ fi
 {
   nvidia-smi || true
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-  "$py" -c "from backend.model.compat import te_status; print('transformer_engine', te_status())"
+  "$py" -c "from backend.megatron_compat import te_status; print('transformer_engine', te_status())"
 } > "$out/environment.txt" 2>&1
 
 status=0

@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.batching import choose_bucket_edges, pad_multiple, plan_dynamic, plan_fixed, plan_sort_and_stride  # noqa: E402
-from backend.batching.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
-from backend.batching.plan import DEFAULT_MICROBATCH_OVERHEAD  # noqa: E402
+from backend.batching import DEFAULT_MICROBATCH_OVERHEAD, PlanArgs, choose_bucket_edges, pad_multiple, plan  # noqa: E402
+from backend.bench.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
 
 SCHEDULERS = ("dynamic", "sort_and_stride", "fixed_mbs1")
 
@@ -48,12 +47,17 @@ def read_lengths_file(path: str) -> list[int]:
 
 
 def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace, edges=None):
-    common = dict(dp_size=args.dp, cp_size=args.cp, pad_to_multiple=args.pad_to_multiple, overhead=args.overhead)
-    if scheduler == "dynamic":
-        return plan_dynamic(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, bucket_edges=edges, **common)
-    if scheduler == "sort_and_stride":
-        return plan_sort_and_stride(lengths, max_tokens_per_gpu=args.max_tokens_per_gpu, **common)
-    return plan_fixed(lengths, micro_batch_size=1, **common)
+    """``scheduler`` is dynamic, sort_and_stride or fixed_mbs1 (the fixed planner at size 1)."""
+    plan_args = PlanArgs(
+        dp_size=args.dp,
+        cp_size=args.cp,
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        micro_batch_size=1,
+        pad_to_multiple=args.pad_to_multiple,
+        overhead=args.overhead,
+        bucket_edges=edges if scheduler == "dynamic" else None,
+    )
+    return plan("fixed" if scheduler == "fixed_mbs1" else scheduler, lengths, plan_args)
 
 
 def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace, edges=None) -> list[dict]:

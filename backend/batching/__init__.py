@@ -1,26 +1,33 @@
 """Pure planning of one optimizer step's microbatches: lists of ints in, a StepPlan out.
 
-No torch import here: the planner runs anywhere, and every rank computes the same plan locally.
+No torch and no filesystem here: the planner runs anywhere, and every rank computes the same
+plan locally. ``plan_dynamic`` / ``plan_fixed`` / ``plan_sort_and_stride`` are the public
+functions; ``make_planner(name, PlanArgs(...))`` builds one by name.
 """
 
-from .baselines import plan_sort_and_stride
+from .args import DEFAULT_MICROBATCH_OVERHEAD, PlanArgs
 from .buckets import bucket_length, choose_bucket_edges
-from .dynamic import plan_dynamic
-from .fixed import plan_fixed
-from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import microbatch_cost, pad_multiple, round_up
+from .plan import EMPTY_MICROBATCH, Microbatch, StepPlan
+from .pricing import microbatch_cost, pad_multiple, round_up, smallest_budget
+from .registry import PLANNERS, Planner, make_planner, plan, plan_dynamic, plan_fixed, plan_sort_and_stride
 
 __all__ = [
     "DEFAULT_MICROBATCH_OVERHEAD",
     "EMPTY_MICROBATCH",
+    "PLANNERS",
+    "Microbatch",
+    "PlanArgs",
+    "Planner",
+    "StepPlan",
     "bucket_length",
     "choose_bucket_edges",
-    "Microbatch",
-    "StepPlan",
+    "make_planner",
     "microbatch_cost",
     "pad_multiple",
+    "plan",
     "plan_dynamic",
     "plan_fixed",
     "plan_sort_and_stride",
     "round_up",
+    "smallest_budget",
 ]

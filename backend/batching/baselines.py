@@ -7,23 +7,13 @@ up to the pad multiple) / cp fits the budget. Every rank pads to that shared len
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from .args import PlanArgs
+from .plan import Microbatch, StepPlan, make_microbatch
+from .pricing import microbatch_cost, round_up
 
-from .plan import DEFAULT_MICROBATCH_OVERHEAD, Microbatch, StepPlan, make_microbatch
-from .pricing import check_budget, check_plan_args, microbatch_cost, round_up
 
-
-def plan_sort_and_stride(
-    lengths: Sequence[int],
-    *,
-    dp_size: int,
-    cp_size: int = 1,
-    max_tokens_per_gpu: int,
-    pad_to_multiple: int = 1,
-    overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
-) -> StepPlan:
-    lengths, dp, cp, multiple = check_plan_args(lengths, dp_size, cp_size, pad_to_multiple, overhead)
-    budget = check_budget(max_tokens_per_gpu, multiple, cp)
+def sort_and_stride(lengths: list[int], args: PlanArgs) -> StepPlan:
+    dp, cp, multiple, budget = args.dp_size, args.cp_size, args.multiple, args.budget()
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     per_rank = [order[r::dp] for r in range(dp)]
     depth = len(per_rank[0])  # rank 0 holds the most (and the longest at every position)
@@ -37,12 +27,4 @@ def plan_sort_and_stride(
             ranks[r].append(make_microbatch(tuple(per_rank[r][pos:end]), shared_len, lengths, cp))
         pos = end
     oversize = sum(1 for n in lengths if microbatch_cost(1, round_up(n, multiple), cp) > budget)
-    return StepPlan(
-        ranks=tuple(tuple(r) for r in ranks),
-        cp_size=cp,
-        max_tokens_per_gpu=budget,
-        pad_multiple=multiple,
-        oversize_singletons=oversize,
-        kind="sort_and_stride",
-        overhead=overhead,
-    )
+    return StepPlan.assemble(ranks, args, kind="sort_and_stride", budgeted=True, oversize=oversize)

@@ -23,33 +23,30 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
 
+from .args import PlanArgs
 from .buckets import bucket_length
-from .plan import DEFAULT_MICROBATCH_OVERHEAD, EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import check_budget, check_plan_args, microbatch_cost, round_up
+from .plan import EMPTY_MICROBATCH, Microbatch, StepPlan
+from .pricing import microbatch_cost, round_up
 
 log = logging.getLogger(__name__)
 
 
-def plan_dynamic(
-    lengths: Sequence[int],
-    *,
-    dp_size: int,
-    cp_size: int = 1,
-    max_tokens_per_gpu: int,
-    pad_to_multiple: int = 1,
-    overhead: int = DEFAULT_MICROBATCH_OVERHEAD,
-    bucket_edges: Sequence[int] | None = None,
-) -> StepPlan:
-    """Plan one optimizer window (see the module docstring). Raises ValueError on bad input.
+def dynamic(lengths: list[int], args: PlanArgs) -> StepPlan:
+    """Plan one optimizer window (see the module docstring); ``lengths`` already checked.
 
-    ``bucket_edges`` (from ``choose_bucket_edges``) pads every row up to the smallest edge that
-    holds it, so plans use at most len(edges) distinct lengths (a length above the last edge
+    ``args.bucket_edges`` (from ``choose_bucket_edges``) pads every row up to the smallest edge
+    that holds it, so plans use at most len(edges) distinct lengths (a length above the last edge
     keeps its own CP-aligned length).
     """
-    lengths, dp, cp, multiple = check_plan_args(lengths, dp_size, cp_size, pad_to_multiple, overhead)
-    budget = check_budget(max_tokens_per_gpu, multiple, cp)
+    dp, cp, multiple, overhead, bucket_edges = (
+        args.dp_size,
+        args.cp_size,
+        args.multiple,
+        args.overhead,
+        args.bucket_edges,
+    )
+    budget = args.budget()
 
     # Longest first; padded length is monotone in length, and a stable sort breaks ties on position.
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
@@ -82,7 +79,7 @@ def plan_dynamic(
         key = (step_time, -prefix[-1] / padded_tokens)
         if best is None or key < best[0]:
             best = (key, groups)
-    return _assemble(best[1], order, sorted_padded, prefix, dp, cp, budget, multiple, overhead, oversize)
+    return _assemble(best[1], order, sorted_padded, prefix, args, oversize)
 
 
 def _row_cap(padded_len: int, cp: int, budget: int) -> int:
@@ -151,12 +148,13 @@ def _fill_spare_places(groups, sorted_padded, cp, dp) -> list[tuple[int, int, in
     return sorted(heap + singles)
 
 
-def _assemble(groups, order, sorted_padded, prefix, dp, cp, budget, multiple, overhead, oversize) -> StepPlan:
+def _assemble(groups, order, sorted_padded, prefix, args: PlanArgs, oversize: int) -> StepPlan:
     """Deal the groups dp at a time into slots; the costliest of a slot to the least loaded rank."""
     microbatches = [
         Microbatch(indices=tuple(order[s:e]), padded_len=sorted_padded[s], cost=-neg_cost, tokens=prefix[e] - prefix[s])
         for neg_cost, s, e in groups
     ]
+    dp = args.dp_size
     num_slots = -(-len(microbatches) // dp)
     microbatches.extend([EMPTY_MICROBATCH] * (num_slots * dp - len(microbatches)))
     ranks: list[list[Microbatch]] = [[] for _ in range(dp)]
@@ -166,12 +164,4 @@ def _assemble(groups, order, sorted_padded, prefix, dp, cp, budget, multiple, ov
         for mb, rank in zip(chunk, sorted(range(dp), key=lambda r: (load[r], r))):
             ranks[rank].append(mb)
             load[rank] += mb.cost
-    return StepPlan(
-        ranks=tuple(tuple(r) for r in ranks),
-        cp_size=cp,
-        max_tokens_per_gpu=budget,
-        pad_multiple=multiple,
-        oversize_singletons=oversize,
-        kind="dynamic",
-        overhead=overhead,
-    )
+    return StepPlan.assemble(ranks, args, kind="dynamic", budgeted=True, oversize=oversize)

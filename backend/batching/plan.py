@@ -10,10 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-# Per-microbatch overhead of the step-time model, in token-equivalents: the fixed cost of one
-# microbatch (kernel launches, small GEMMs, FSDP all-gather/reduce-scatter). It depends on the
-# model and the data-parallel wrapper, so it is a knob.
-DEFAULT_MICROBATCH_OVERHEAD = 2048
+from .args import DEFAULT_MICROBATCH_OVERHEAD
 
 
 @dataclass(frozen=True)
@@ -76,6 +73,19 @@ class StepPlan:
         if len(counts) != 1:
             raise ValueError(f"every rank must run the same number of microbatches, got {sorted(counts)}")
 
+    @classmethod
+    def assemble(cls, ranks, args, *, kind: str, budgeted: bool, oversize: int = 0) -> StepPlan:
+        """A plan from per-rank microbatch lists and the ``PlanArgs`` it was made under."""
+        return cls(
+            ranks=tuple(tuple(r) for r in ranks),
+            cp_size=args.cp_size,
+            max_tokens_per_gpu=args.budget() if budgeted else None,
+            pad_multiple=args.multiple,
+            oversize_singletons=oversize,
+            kind=kind,
+            overhead=args.overhead,
+        )
+
     @property
     def dp_size(self) -> int:
         return len(self.ranks)
@@ -103,7 +113,8 @@ class StepPlan:
 
     @property
     def tokens(self) -> int:
-        """Real tokens of the window, over all ranks: the loss normaliser's token count."""
+        """Real tokens of the window, over all ranks (the loss normaliser counts prediction
+        targets instead: one fewer per sequence, and only where the loss mask is set)."""
         return sum(mb.tokens for rank in self.ranks for mb in rank)
 
     @property
@@ -149,15 +160,21 @@ class StepPlan:
             1 for rank in self.ranks for mb in rank if len(mb.indices) >= 2 and mb.cost > self.max_tokens_per_gpu
         )
 
-    def max_cost(self) -> int:
-        return max(mb.cost for rank in self.ranks for mb in rank)
-
     def covers(self, num_samples: int) -> bool:
         """Every window position appears exactly once across all ranks and microbatches."""
         seen = sorted(i for rank in self.ranks for mb in rank for i in mb.indices)
         return seen == list(range(num_samples))
 
+    def rank_padding_efficiencies(self) -> list[float]:
+        """Real over padded tokens on each DP rank (1.0 for a rank with only empty microbatches)."""
+        out = []
+        for rank in self.ranks:
+            padded = sum(len(mb.indices) * mb.padded_len for mb in rank)
+            out.append(sum(mb.tokens for mb in rank) / padded if padded else 1.0)
+        return out
+
     def metrics(self) -> dict:
+        """The plan's diagnostics, as logged every step and printed by the simulator."""
         return {
             "kind": self.kind,
             "num_microbatches": self.num_microbatches,
@@ -165,13 +182,14 @@ class StepPlan:
             "tokens": self.tokens,
             "padded_tokens": self.padded_tokens,
             "padding_efficiency": self.padding_efficiency,
+            "padding_efficiency_min_rank": min(self.rank_padding_efficiencies()),
             "modelled_step_time": self.modelled_step_time,
             "rank_imbalance": self.rank_imbalance,
             "distinct_shapes": self.distinct_shapes,
             "empty_microbatches": self.empty_microbatches,
             "oversize_singletons": self.oversize_singletons,
             "over_budget_microbatches": self.over_budget_microbatches(),
-            "max_cost": self.max_cost(),
+            "plan_fingerprint": self.fingerprint,
         }
 
     def to_dict(self) -> dict:

@@ -1,4 +1,4 @@
-"""How many tokens a microbatch puts on one GPU, and argument checks shared by the planners.
+"""How many tokens a microbatch puts on one GPU, and the argument checks every planner shares.
 
 With context parallelism of size c, a sequence is cut into 2c chunks and CP rank i keeps chunks
 i and 2c-1-i (load-balanced causal attention). So a sequence must be padded to a multiple of 2c,
@@ -57,6 +57,11 @@ def check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
+def smallest_budget(pad_to_multiple: int, cp_size: int) -> int:
+    """The least max_tokens_per_gpu that holds one sequence: a row padded to the multiple, over cp."""
+    return microbatch_cost(1, pad_multiple(pad_to_multiple, cp_size), cp_size)
+
+
 def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int:
     """The budget must hold at least the smallest microbatch: one row padded to the multiple."""
     budget = check_positive_int("max_tokens_per_gpu", max_tokens_per_gpu)
@@ -68,16 +73,3 @@ def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int
             f"holds {smallest} tokens per GPU; use max_tokens_per_gpu >= {smallest}"
         )
     return budget
-
-
-def check_plan_args(
-    lengths: Sequence[int], dp_size: object, cp_size: object, pad_to_multiple: object, overhead: object
-):
-    """The checks every planner makes: (lengths, dp, cp, multiple), or a ValueError naming the argument."""
-    lengths = check_lengths(lengths)
-    dp = check_positive_int("dp_size", dp_size)
-    cp = check_positive_int("cp_size", cp_size)
-    pad = check_positive_int("pad_to_multiple", pad_to_multiple)
-    if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
-        raise ValueError(f"overhead must be an integer >= 0 (token-equivalents), got {overhead!r}")
-    return lengths, dp, cp, pad_multiple(pad, cp)

@@ -1,7 +1,8 @@
 """Config: dataclass schema, YAML + dotted overrides (OmegaConf struct mode), one validation pass."""
 
 from .load import ConfigError, load_config, save_config, to_yaml
+from .paths import checkpoint_dir
 from .schema import Config
-from .validate import data_parallel_size, validate
+from .validate import validate
 
-__all__ = ["Config", "ConfigError", "data_parallel_size", "load_config", "save_config", "to_yaml", "validate"]
+__all__ = ["Config", "checkpoint_dir", "ConfigError", "load_config", "save_config", "to_yaml", "validate"]

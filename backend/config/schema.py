@@ -1,14 +1,19 @@
 """The config schema: one dataclass per concern, each field documented.
 
-Local checks live in ``__post_init__``-free ``check()`` methods called by ``validate`` (OmegaConf
-builds these dataclasses field by field, so checks run once, after every override is applied).
+The dataclasses hold no checks: OmegaConf builds them field by field while merging YAML layers
+and overrides, so every check (single values and cross-section rules alike) runs once, after the
+last override, in ``validate.validate``, which names each offending dotted key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ATTENTION_BACKENDS = ("auto", "te", "flex", "sdpa")
+from backend.batching import DEFAULT_MICROBATCH_OVERHEAD
+
+# Core attention kernels (backend.model.attention); "auto" picks one of them and logs why.
+ATTENTION_KERNELS = ("te", "flex", "sdpa")
+ATTENTION_BACKENDS = ("auto", *ATTENTION_KERNELS)
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -83,7 +88,7 @@ class TrainConfig:
     # length distribution to lose the least padding; bounds FlexAttention recompiles / CUDA graphs.
     dynamic_batch_max_shapes: int = 0
     # Fixed cost of one microbatch in the planner's step-time model, in tokens.
-    dynamic_batch_overhead: int = 2048
+    dynamic_batch_overhead: int = DEFAULT_MICROBATCH_OVERHEAD
     # Budget for forward-only passes (log-probabilities); 0 means max_tokens_per_gpu.
     forward_max_tokens_per_gpu: int = 0
     # Optimizer steps to run.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.batching.pricing import pad_multiple
+from backend.batching import smallest_budget
 
 from .load import ConfigError
 from .schema import (
@@ -99,7 +99,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             f"train.global_batch_size={t.global_batch_size}: must be divisible by train.micro_batch_size"
             f" * data-parallel size = {t.micro_batch_size} * {dp} (or set train.dynamic_batch_enable=true)"
         )
-    smallest = pad_multiple(t.dynamic_batch_pad_to_multiple, cp) // cp
+    smallest = smallest_budget(t.dynamic_batch_pad_to_multiple, cp)
     for key in ("train.max_tokens_per_gpu", "train.forward_max_tokens_per_gpu"):
         value = get(cfg, key)
         if key == "train.max_tokens_per_gpu" and t.dynamic_batch_enable and value == 0:
@@ -117,7 +117,3 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
-
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    return world_size // cfg.parallel.context_parallel_size

@@ -7,12 +7,12 @@ over 2,048). Tokenised byte-level and cached as ``.bin/.idx`` on first use.
 
 from __future__ import annotations
 
+import os
 import re
+import sysconfig
 from pathlib import Path
 
 import numpy as np
-
-from backend.batching.length_sets import stdlib_source_files
 
 from .indexed import indexed_exists, write_indexed
 from .sample import Sample
@@ -33,6 +33,17 @@ def split_source(source: bytes) -> list[bytes]:
     if current:
         parts.append(b"".join(current))
     return [p for p in parts if p.strip()]
+
+
+def stdlib_source_files() -> list[str]:
+    """The running interpreter's standard-library .py files, sorted: real, long-tailed documents."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(found)
 
 
 def embedded_documents() -> list[bytes]:

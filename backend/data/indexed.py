@@ -21,7 +21,7 @@ WEIGHT_SUFFIX = "_loss_weight"
 
 def _indexed_dataset():
     # megatron-core's package import is slow (about 9 s); only pay it when .bin/.idx is used.
-    from backend.model.compat import import_megatron_module
+    from backend.megatron_compat import import_megatron_module
 
     return import_megatron_module("megatron.core.datasets.indexed_dataset")
 

@@ -6,18 +6,14 @@ locally (no collective to plan); it then reads only its own samples.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from backend.batching import StepPlan, choose_bucket_edges, pad_multiple, plan_dynamic, plan_fixed
+from backend.batching import PlanArgs, Planner, StepPlan, choose_bucket_edges, make_planner, pad_multiple
 
 from .collate import MicrobatchTensors, collate
 from .sampler import WindowSampler
-
-Planner = Callable[[list[int]], StepPlan]
 
 
 def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sample: int = 65536) -> list[int] | None:
@@ -34,29 +30,28 @@ def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sample: int = 65536) -
 def planner_from_config(
     train_cfg, *, dp_size: int, cp_size: int, forward: bool = False, bucket_edges: list[int] | None = None
 ) -> Planner:
-    """plan_dynamic under the token budget when dynamic batching is on, else plan_fixed."""
-    if train_cfg.dynamic_batch_enable or forward:
-        budget = train_cfg.max_tokens_per_gpu
-        if forward and train_cfg.forward_max_tokens_per_gpu:
-            budget = train_cfg.forward_max_tokens_per_gpu
-        if budget:
-            return functools.partial(
-                plan_dynamic,
-                dp_size=dp_size,
-                cp_size=cp_size,
-                max_tokens_per_gpu=budget,
-                pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
-                overhead=train_cfg.dynamic_batch_overhead,
-                bucket_edges=bucket_edges,
-            )
-    return functools.partial(
-        plan_fixed,
+    """The training planner (dynamic under train.max_tokens_per_gpu when train.dynamic_batch_enable,
+    else fixed train.micro_batch_size), or with ``forward=True`` the forward-only planner: dynamic
+    under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu). A forward budget of
+    0 is an error, not a silent fixed plan."""
+    args = dict(
         dp_size=dp_size,
         cp_size=cp_size,
-        micro_batch_size=train_cfg.micro_batch_size,
         pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
         overhead=train_cfg.dynamic_batch_overhead,
     )
+    if forward:
+        budget = train_cfg.forward_max_tokens_per_gpu or train_cfg.max_tokens_per_gpu
+        if not budget:
+            raise ValueError(
+                "forward-only passes are planned under a token budget: set train.forward_max_tokens_per_gpu "
+                "(or train.max_tokens_per_gpu)"
+            )
+        return make_planner("dynamic", PlanArgs(max_tokens_per_gpu=budget, bucket_edges=bucket_edges, **args))
+    if train_cfg.dynamic_batch_enable:
+        budget = train_cfg.max_tokens_per_gpu
+        return make_planner("dynamic", PlanArgs(max_tokens_per_gpu=budget, bucket_edges=bucket_edges, **args))
+    return make_planner("fixed", PlanArgs(micro_batch_size=train_cfg.micro_batch_size, **args))
 
 
 @dataclass

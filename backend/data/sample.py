@@ -42,6 +42,7 @@ class TokenDataset(Protocol):
     lengths: np.ndarray  # int64, tokens per sample
     loss_token_counts: np.ndarray  # int64, prediction targets per sample
     source: str  # a file name or description, for error messages
+    has_loss_weight: bool  # any sample carries per-token loss weights (RL advantages)
 
     def __len__(self) -> int: ...
 

@@ -16,7 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from backend.model.compat import import_megatron_module
+from backend.megatron_compat import import_megatron_module
+
+from .collectives import all_gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,6 @@ class ParallelEnv:
     cp_size: int
     device: torch.device
     cp_group: object  # None when cp_size == 1
-    dp_group: object
 
     @property
     def is_main(self) -> bool:
@@ -78,7 +79,6 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
         cp_size=ps.get_context_parallel_world_size(),
         device=device,
         cp_group=ps.get_context_parallel_group() if cp_size > 1 else None,
-        dp_group=ps.get_data_parallel_group(),
     )
     if env.dp_rank * env.cp_size + env.cp_rank != env.rank:
         raise RuntimeError(f"unexpected rank layout: rank {env.rank} is dp {env.dp_rank}, cp {env.cp_rank}")
@@ -105,9 +105,7 @@ def describe_world(env: ParallelEnv) -> list[dict]:
         "slurm_node_id": os.environ.get("SLURM_NODEID"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
-    world: list = [None] * env.world_size
-    dist.all_gather_object(world, mine)
-    return world
+    return all_gather_objects(mine)
 
 
 def check_world_matches_allocation(world: list[dict]) -> None:

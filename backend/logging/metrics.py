@@ -11,21 +11,6 @@ import torch
 
 from backend.batching import StepPlan
 
-REQUIRED_KEYS = (
-    "step",
-    "loss",
-    "grad_norm",
-    "lr",
-    "tokens",
-    "padded_tokens",
-    "padding_efficiency",
-    "num_microbatches",
-    "oversize_singletons",
-    "step_time_s",
-    "tokens_per_s",
-    "peak_memory_bytes",
-)
-
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: peak allocated bytes this step. CPU: the process's peak resident set size so far."""
@@ -35,31 +20,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def plan_metrics(plan: StepPlan, dp_rank: int) -> dict:
-    """The dynamic-batching diagnostics of one step's plan."""
-    per_rank_eff = []
-    for rank in plan.ranks:
-        padded = sum(len(mb.indices) * mb.padded_len for mb in rank)
-        per_rank_eff.append(sum(mb.tokens for mb in rank) / padded if padded else 1.0)
-    return {
-        "tokens": plan.tokens,
-        "padded_tokens": plan.padded_tokens,
-        "padding_efficiency": plan.padding_efficiency,
-        "padding_efficiency_min_rank": min(per_rank_eff),
-        "padding_efficiency_this_rank": per_rank_eff[dp_rank],
-        "num_microbatches": plan.num_microbatches,
-        "oversize_singletons": plan.oversize_singletons,
-        "empty_microbatches": plan.empty_microbatches,
-        "rank_imbalance": plan.rank_imbalance,
-        "distinct_shapes": plan.distinct_shapes,
-        "modelled_step_time": plan.modelled_step_time,
-        "plan_fingerprint": plan.fingerprint,
-    }
+    """The dynamic-batching diagnostics of one step's plan (``StepPlan.metrics``) plus this rank's
+    padding efficiency."""
+    return {**plan.metrics(), "padding_efficiency_this_rank": plan.rank_padding_efficiencies()[dp_rank]}
 
 
 class MetricsLogger:
     """Writes one JSON object per step; prints a progress line; forwards to a wandb run if any."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, enabled: bool, wandb_run=None, log_interval: int = 1):
+        """``wandb_run`` may also be attached later (the trainer does, once it knows the run id)."""
         self.enabled = enabled
         self.total = total_steps
         self.wandb_run = wandb_run

@@ -1,4 +1,5 @@
-"""A wandb run on rank 0 when ``logger.wandb.enable``; resumes the run id a checkpoint recorded.
+"""A wandb run on rank 0 when ``logger.wandb.enable``; continues the run id a checkpoint recorded
+(the trainer reads it from the checkpoint it resumes and passes it in).
 
 The API key is never part of our config: wandb reads it from its own environment or login.
 """
@@ -6,22 +7,15 @@ The API key is never part of our config: wandb reads it from its own environment
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from backend.train.checkpoint import META, complete_checkpoints
 
-
-def start_wandb(cfg, env):
+def start_wandb(cfg, env, *, run_id: str | None = None):
     w = cfg.logger.wandb
     if not env.is_main or not w.enable or w.mode == "disabled":
         return None
     import wandb
 
-    run_id = None
-    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logger.run_dir) / "checkpoints")
-    if cfg.checkpoint.resume and (found := complete_checkpoints(ckpt_dir)):
-        run_id = json.loads((found[-1] / META).read_text()).get("wandb_run_id")
     Path(cfg.logger.run_dir).mkdir(parents=True, exist_ok=True)
     return wandb.init(
         project=w.project,

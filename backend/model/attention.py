@@ -24,7 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .compat import import_megatron_module, te_status
+from backend.config.schema import ATTENTION_KERNELS
+from backend.megatron_compat import import_megatron_module, te_status
+
+from .rope import Rope
 
 log = logging.getLogger(__name__)
 
@@ -61,44 +64,48 @@ def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
 
 @dataclass
 class AttentionContext:
-    """One microbatch's attention facts, shared by every layer (built once per microbatch)."""
+    """One microbatch's attention facts, shared by every layer (built once per microbatch).
+
+    What every layer derives from them (gathered key positions, the mask, RoPE tables, a flex
+    BlockMask) is computed by the first layer and reused through ``cached``: with 36 layers the
+    mask and tables are built once instead of 36 times.
+    """
 
     positions: torch.Tensor  # [b, s_local] int64 global positions of this rank's tokens
     valid: torch.Tensor  # [b, s_local] bool, False at right padding
     cp_group: object = None
-    rotary_base: float = 10000.0
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def cached(self, key, build: Callable[[], object]):
+        """``build()`` once per microbatch under ``key``, then the stored value."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def key_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, valid) of every key: this rank's, or the CP group's gathered."""
-        if "keys" not in self._cache:
+
+        def build():
             pos, valid = self.positions, self.valid
             if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
                 pos = _gather_plain(pos.t(), self.cp_group).t()
                 valid = _gather_plain(valid.t().to(torch.uint8), self.cp_group).t().bool()
-            self._cache["keys"] = (pos, valid)
-        return self._cache["keys"]
+            return pos, valid
+
+        return self.cached("keys", build)
 
     def dense_mask(self) -> torch.Tensor:
         """[b, 1, s_q, s_k] bool, True where a query may attend a key."""
-        if "dense" not in self._cache:
-            kpos, kvalid = self.key_positions()
-            mask = (kpos[:, None, :] <= self.positions[:, :, None]) & kvalid[:, None, :]
-            self._cache["dense"] = mask[:, None]
-        return self._cache["dense"]
 
-    def rope(self, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        def build():
+            kpos, kvalid = self.key_positions()
+            return ((kpos[:, None, :] <= self.positions[:, :, None]) & kvalid[:, None, :])[:, None]
+
+        return self.cached("dense", build)
+
+    def rope(self, rope: Rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin as [s, b, 1, head_dim] for this rank's positions (rotate-half layout)."""
-        key = ("rope", head_dim, dtype)
-        if key not in self._cache:
-            device = self.positions.device
-            inv_freq = 1.0 / (
-                self.rotary_base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-            )
-            angles = self.positions.t().to(torch.float32)[..., None] * inv_freq  # [s, b, d/2]
-            angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-            self._cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
-        return self._cache[key]
+        return self.cached(("rope", rope, dtype), lambda: rope.tables(self.positions, dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,7 +131,7 @@ def _compiled_flex_attention() -> Callable:
 def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if "block_mask" not in ctx._cache:
+    def build():
         kpos, kvalid = ctx.key_positions()
         qpos = ctx.positions
 
@@ -132,11 +139,10 @@ def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
             return (kpos[b, kv_idx] <= qpos[b, q_idx]) & kvalid[b, kv_idx]
 
         # Blocks whose keys are all padding or all in the future are skipped entirely.
-        ctx._cache["block_mask"] = create_block_mask(
-            mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128
-        )
+        return create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128)
+
     fn = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU (forward only)
-    return fn(q, k, v, block_mask=ctx._cache["block_mask"], scale=scale, enable_gqa=True)
+    return fn(q, k, v, block_mask=ctx.cached("block_mask", build), scale=scale, enable_gqa=True)
 
 
 def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
@@ -160,7 +166,7 @@ def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
     return attn, kernel
 
 
-BACKENDS = ("sdpa", "flex", "te")
+_KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel}
 
 
 def resolve_backend(name: str, *, device: torch.device, training: bool = True) -> str:
@@ -182,13 +188,16 @@ def resolve_backend(name: str, *, device: torch.device, training: bool = True) -
             "model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward); "
             "use sdpa on CPU, or flex for forward-only passes"
         )
-    if name not in BACKENDS:
-        raise ValueError(f"model.attention_backend={name!r}: allowed values are auto, {', '.join(BACKENDS)}")
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"model.attention_backend={name!r}: allowed values are auto, {', '.join(ATTENTION_KERNELS)}")
     return name
 
 
-def make_core_attention(backend: str):
-    """A megatron-core core-attention module class running ``backend``."""
+@functools.cache
+def core_attention_class(backend: str) -> type:
+    """The megatron-core core-attention module running ``backend`` (built once per backend and
+    named after it, e.g. SdpaCoreAttention, so a model's printout says which kernel it runs; RoPE
+    comes in as a constructor parameter through the layer spec's ``params``)."""
     megatron_module = import_megatron_module("megatron.core.transformer.module").MegatronModule
 
     class CoreAttention(megatron_module):
@@ -201,6 +210,8 @@ def make_core_attention(backend: str):
             cp_comm_type=None,
             softmax_scale=None,
             pg_collection=None,
+            *,
+            rope: Rope,
             **_,
         ):
             super().__init__(config=config)
@@ -208,22 +219,24 @@ def make_core_attention(backend: str):
             self.num_kv = config.num_query_groups or config.num_attention_heads
             self.head_dim = config.kv_channels
             self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
-            self.backend = backend
+            self.rope_spec = rope
             if backend == "te":
                 self.te_attention, self.kernel = te_kernel_factory(
                     self.num_heads, self.num_kv, self.head_dim, self.scale
                 )
             else:
-                self.kernel = sdpa_kernel if backend == "sdpa" else flex_kernel
+                self.kernel = _KERNELS[backend]
 
         def forward(
             self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
         ):
             ctx: AttentionContext = attention_mask
             if not isinstance(ctx, AttentionContext):
-                raise TypeError("CoreAttention needs an AttentionContext as attention_mask (see backend.model.forward)")
+                raise TypeError(
+                    "CoreAttention needs an AttentionContext as attention_mask (see backend.model.builder.token_losses)"
+                )
             s, b = query.shape[0], query.shape[1]
-            cos, sin = ctx.rope(self.head_dim, query.dtype)
+            cos, sin = ctx.rope(self.rope_spec, query.dtype)
             query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
             key, value = gather_cp(key, ctx.cp_group), gather_cp(value, ctx.cp_group)
             # [s, b, h, d] -> [b, h, s, d]
@@ -231,5 +244,11 @@ def make_core_attention(backend: str):
             out = self.kernel(q, k, v, ctx, self.scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
-    CoreAttention.__name__ = f"{backend.capitalize()}CoreAttention"
+    CoreAttention.__name__ = CoreAttention.__qualname__ = f"{backend.capitalize()}CoreAttention"
     return CoreAttention
+
+
+def core_attention_spec(backend: str, rope: Rope):
+    """A megatron-core ModuleSpec placing our core attention with its backend and RoPE."""
+    spec_cls = import_megatron_module("megatron.core.transformer.spec_utils").ModuleSpec
+    return spec_cls(module=core_attention_class(backend), params={"rope": rope})

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionContext, make_core_attention
-from .compat import import_megatron_module
+from backend.megatron_compat import import_megatron_module
+
+from .attention import AttentionContext, core_attention_spec
+from .rope import Rope
 
 
 def ffn_size(model_cfg) -> int:
@@ -56,7 +58,8 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         cross_entropy_loss_fusion=False,
     )
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_layernorm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = make_core_attention(backend)
+    rope = Rope(head_dim=config.kv_channels, base=float(model_cfg.rotary_base))
+    spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
     cpu_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -71,16 +74,10 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         )
     finally:
         torch.random.set_rng_state(cpu_state)
-    model.rotary_base = float(model_cfg.rotary_base)
     return model
 
 
 def token_losses(model, tokens, labels, positions, valid, *, cp_group=None) -> torch.Tensor:
     """Per-position cross-entropy [b, s] (FP32), computed by megatron-core from the labels."""
-    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group, rotary_base=_rotary_base(model))
+    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group)
     return model(tokens, positions, ctx, labels=labels).float()
-
-
-def _rotary_base(model) -> float:
-    inner = getattr(model, "module", model)
-    return getattr(inner, "rotary_base", 10000.0)

@@ -1,4 +1,5 @@
 """Training: the trainer, one train step, forward-only log-probabilities, checkpoints.
 
-The command-line entry point is ``python -m backend.train`` (``backend/train/__main__.py``).
+The command-line entry point is ``backend.train.cli.main``: ``python -m backend.train`` or the
+installed ``backend-train`` script.
 """

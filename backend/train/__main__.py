@@ -1,53 +1,7 @@
-"""``python -m backend.train CONFIG.yaml [dotted.key=value ...]``, also under torchrun."""
+"""``python -m backend.train CONFIG.yaml [dotted.key=value ...]`` (see ``backend.train.cli``)."""
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
 
-from backend.config import ConfigError, load_config, to_yaml, validate
+from backend.train.cli import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.train", description=__doc__)
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = validate(load_config(args.config, args.overrides), world_size=world_size)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
-
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines drown the progress
-    from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.logging.wandb_run import start_wandb
-    from backend.train.trainer import Trainer
-
-    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
-    try:
-        wandb_run = start_wandb(cfg, env)
-        trainer = Trainer(cfg, env, wandb_run=wandb_run)
-        trainer.train()
-        if wandb_run is not None:
-            wandb_run.finish()
-    finally:
-        shutdown_distributed()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from backend.data.collate import collate, cp_unshard
 from backend.data.sample import Sample
+from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 from backend.model.builder import token_losses
 
 from .step import placeholder_microbatch
@@ -35,15 +35,11 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
         batch = batch.to(env.device)
         logp = -token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
         if env.cp_size > 1:
-            parts = [torch.empty_like(logp) for _ in range(env.cp_size)]
-            dist.all_gather(parts, logp.contiguous(), group=env.cp_group)
-            logp = cp_unshard(parts)
+            logp = cp_unshard(all_gather_tensors(logp, env.cp_group))
         logp = logp.cpu().numpy()
         for row, index in enumerate(mb.indices):
             mine[index] = logp[row, : len(samples[index].tokens) - 1].copy()
-    gathered: list[dict] = [None] * env.world_size  # type: ignore[list-item]
-    dist.all_gather_object(gathered, mine)
     merged: dict[int, np.ndarray] = {}
-    for part in gathered:
+    for part in all_gather_objects(mine):
         merged.update(part)
     return [merged[i] for i in range(len(samples))]

@@ -12,7 +12,8 @@ import logging
 import signal
 
 import torch
-import torch.distributed as dist
+
+from backend.distributed.collectives import dist_any
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,4 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         """True on every rank once any rank has received a stop signal (one tiny all-reduce)."""
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return dist_any(self.signal_name is not None, device)

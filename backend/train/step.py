@@ -4,6 +4,10 @@ The loss of a window is sum(loss_weight * token cross-entropy) over every target
 window, divided by the window's target count (the same number on every rank, from the dataset
 index). Because that denominator does not depend on how the window was cut into microbatches,
 fixed and dynamic plans produce the same gradient up to floating-point summation order.
+
+``train_step`` = ``forward_backward`` (gradients of the whole window) + ``apply_update`` (check,
+clip, optimizer and scheduler step). Callers that must look at the gradients between the two (the
+fixed-versus-dynamic comparison) call them separately.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
-import torch.distributed as dist
 
 from backend.data.collate import MicrobatchTensors
 from backend.data.iterator import StepData
+from backend.distributed.collectives import dist_sum
+from backend.distributed.fsdp import set_grad_sync
 from backend.model.builder import token_losses
 
-from .wrap import set_grad_sync
+# Called with the microbatch's index; the context it returns wraps that microbatch's forward
+# (the benchmark's saved-activation meter uses it).
+MicrobatchHook = Callable[[int], AbstractContextManager]
 
 
 class NonFiniteError(FloatingPointError):
@@ -51,29 +60,23 @@ def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     return (losses * mb.loss_weight).sum()
 
 
-def train_step(
-    model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, on_grads=None, meter=None
-) -> dict:
-    """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
-    if env.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(env.device)
-    start = time.perf_counter()
+def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchHook | None = None) -> float:
+    """Accumulate the window's gradient over this rank's microbatches; returns the window loss."""
     model.train()
     normaliser = max(1, data.global_loss_tokens)
     local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     count = len(data.microbatches)
     for j, mb in enumerate(data.microbatches):
         set_grad_sync(model, j == count - 1)
-        if meter is not None:  # CPU activation accounting (see backend.train.memory)
-            meter.reset_microbatch()
-        with meter.watch() if meter is not None else contextlib.nullcontext():
+        with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
             loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
         (loss_sum / normaliser).backward()
         local_sum += loss_sum.detach().double()
-    dist.all_reduce(local_sum)
-    loss = (local_sum / normaliser).item()
-    if on_grads is not None:  # e.g. to compare gradients across arms, before clipping
-        on_grads(model)
+    return (dist_sum(local_sum) / normaliser).item()
+
+
+def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int) -> dict:
+    """Clip, check and apply the accumulated gradient; returns grad_norm and the lr used."""
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -86,7 +89,18 @@ def train_step(
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": lr}
+
+
+def train_step(
+    model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, microbatch_hook=None
+) -> dict:
+    """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    start = time.perf_counter()
+    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
+    out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    step_time = time.perf_counter() - start
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time}
+    return {"loss": loss, **out, "step_time_s": time.perf_counter() - start}

@@ -8,36 +8,28 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
-from backend.config import Config, save_config
+from backend.config import Config, checkpoint_dir, save_config
 from backend.data.build import build_dataset
-from backend.data.iterator import DataIterator, bucket_edges_for, planner_from_config
+from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
 from backend.data.sampler import WindowSampler
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
-from backend.model.attention import resolve_backend
-from backend.model.builder import build_gpt, padded_vocab
+from backend.model.factory import build_model
 
 from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
 from .step import train_step
-from .wrap import wrap_fsdp
 
 log = logging.getLogger(__name__)
 
 
-def use_bf16(cfg: Config, device: torch.device) -> bool:
-    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-
-
 class Trainer:
-    def __init__(self, cfg: Config, env, *, wandb_run=None):
+    def __init__(self, cfg: Config, env):
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.logger.run_dir)
-        self.ckpt_dir = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.ckpt_dir = checkpoint_dir(cfg)
         world = describe_world(env)
         check_world_matches_allocation(world)
         if env.is_main:
@@ -51,15 +43,8 @@ class Trainer:
             )
 
         self.dataset, self.tokenizer = build_dataset(cfg.data)
-        self.backend = resolve_backend(cfg.model.attention_backend, device=env.device)
-        model = build_gpt(
-            cfg.model,
-            vocab_size=padded_vocab(cfg.model, self.tokenizer.vocab_size),
-            max_seq_length=cfg.data.max_seq_length,
-            backend=self.backend,
-            seed=cfg.train.seed,
-        )
-        self.model = wrap_fsdp(model, env, bf16=use_bf16(cfg, env.device))
+        built = build_model(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
+        self.model, self.backend = built.model, built.attention_backend
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
 
@@ -73,7 +58,7 @@ class Trainer:
         )
 
         self.step = 0
-        self.wandb_run_id = getattr(wandb_run, "id", None)
+        self.wandb_run_id = None
         if cfg.checkpoint.resume and (found := complete_checkpoints(self.ckpt_dir)):
             meta = load_checkpoint(
                 found[-1],
@@ -85,12 +70,9 @@ class Trainer:
             )
             self.step = meta["step"]
             self.data.load_state_dict(meta["data"])
+            self.wandb_run_id = meta.get("wandb_run_id")
         self.metrics = MetricsLogger(
-            self.run_dir,
-            cfg.train.train_iters,
-            enabled=env.is_main,
-            wandb_run=wandb_run,
-            log_interval=cfg.logger.log_interval,
+            self.run_dir, cfg.train.train_iters, enabled=env.is_main, log_interval=cfg.logger.log_interval
         )
         report = self.dataset.report
         if env.is_main:
@@ -107,6 +89,12 @@ class Trainer:
                 if cfg.train.dynamic_batch_enable
                 else f"fixed micro-batch size {cfg.train.micro_batch_size}",
             )
+
+    def attach_wandb(self, run) -> None:
+        """Send metrics to ``run`` too; its id is stored in checkpoints so a resume continues it."""
+        if run is not None:
+            self.metrics.wandb_run = run
+            self.wandb_run_id = run.id
 
     def train(self) -> str:
         """Run to train.train_iters; returns "finished", or "preempted" after a stop signal."""
@@ -129,11 +117,8 @@ class Trainer:
         finally:
             stop.uninstall()
 
-    def train_one_step(self, on_grads=None) -> dict:
-        plan_start = time.perf_counter()
-        data = next(self.data)
-        data_time = time.perf_counter() - plan_start
-        check_plan_agreement(data.plan, step=self.step)
+    def train_one_step(self) -> dict:
+        data, data_time = self.next_data()
         out = train_step(
             self.model,
             self.optimizer,
@@ -142,8 +127,19 @@ class Trainer:
             self.env,
             clip_grad=self.cfg.optimizer.clip_grad,
             step=self.step,
-            on_grads=on_grads,
         )
+        return self.log_step(data, out, data_time)
+
+    def next_data(self) -> tuple[StepData, float]:
+        """The next window, planned, collated and checked to agree across ranks; and its seconds."""
+        start = time.perf_counter()
+        data = next(self.data)
+        data_time = time.perf_counter() - start
+        check_plan_agreement(data.plan, step=self.step)
+        return data, data_time
+
+    def log_step(self, data: StepData, out: dict, data_time: float) -> dict:
+        """Step metrics (train_step's, the plan's and the data's) to the console, jsonl and wandb."""
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
         metrics["data_time_s"] = data_time
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.train.compare import compare, run_arm
+from backend.bench.compare import compare, run_arm
 from tests.conftest import TINY
 
 from .test_train_equivalence import STEPS, assert_same_training

@@ -23,22 +23,19 @@ def peaks(rank: int, world: int):
     import numpy as np
 
     from backend.batching import plan_dynamic, plan_fixed
+    from backend.bench.memory import SavedActivationMeter
     from backend.config import load_config
     from backend.data.iterator import StepData, collate_plan
     from backend.data.jsonl import InMemoryDataset
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
-    from backend.model.builder import build_gpt
-    from backend.train.memory import SavedActivationMeter
+    from backend.model.factory import build_model
     from backend.train.optim import build_optimizer, build_scheduler
     from backend.train.step import train_step
-    from backend.train.wrap import wrap_fsdp
 
     env = init_distributed(1)
-    cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2"])
-    model = wrap_fsdp(
-        build_gpt(cfg.model, vocab_size=256, max_seq_length=2048, backend="sdpa", seed=0), env, bf16=False
-    )
+    cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "train.seed=0"])
+    model = build_model(cfg, env, tokenizer_vocab=256).model
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_scheduler(opt, cfg.optimizer, cfg.scheduler, 100)
     rng = np.random.default_rng(0)
@@ -53,7 +50,7 @@ def peaks(rank: int, world: int):
             ids, plan, collate_plan(ds, ids, plan, dp_rank=0, cp_rank=0, cp_size=1), sum(n - 1 for n in lengths)
         )
         meter = SavedActivationMeter()
-        train_step(model, opt, sched, data, env, clip_grad=1.0, step=0, meter=meter)
+        train_step(model, opt, sched, data, env, clip_grad=1.0, step=0, microbatch_hook=meter.microbatch)
         return meter.peak
 
     fixed = functools.partial(plan_fixed, dp_size=1, micro_batch_size=4)

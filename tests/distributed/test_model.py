@@ -12,29 +12,27 @@ pytestmark = pytest.mark.distributed
 
 
 def model_checks(rank: int, world: int):
-    import functools
-
-    from backend.batching import Microbatch, plan_dynamic
+    from backend.batching import Microbatch, PlanArgs, make_planner
     from backend.config import load_config
     from backend.data.collate import collate
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
-    from backend.model.attention import resolve_backend
-    from backend.model.builder import build_gpt, token_losses
+    from backend.model.builder import token_losses
+    from backend.model.factory import build_model
     from backend.train.forward_only import compute_logprobs
-    from backend.train.wrap import wrap_fsdp
 
     env = init_distributed(1)
-    cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "data.max_seq_length=128"])
+    base = ["model.hidden_size=64", "model.num_layers=2", "data.max_seq_length=128", "train.seed=7"]
     rng = np.random.default_rng(0)
     samples = [Sample(tokens=rng.integers(0, 256, size=n)) for n in (5, 37, 1, 64, 12, 90, 3)]
 
     def build(backend):
-        return build_gpt(cfg.model, vocab_size=256, max_seq_length=128, backend=backend, seed=7)
+        cfg = load_config(None, [*base, f"model.attention_backend={backend}"])
+        return build_model(cfg, env, tokenizer_vocab=256, training=False).model
 
     out = {}
     with torch.no_grad():
-        sdpa, flex = build("sdpa"), build(resolve_backend("flex", device=torch.device("cpu"), training=False))
+        sdpa, flex = build("sdpa"), build("flex")
         # One padded microbatch holding every sample, against each sample alone and unpadded.
         mb = Microbatch(indices=tuple(range(len(samples))), padded_len=96, cost=0, tokens=0)
         batch = collate(samples, list(range(len(samples))), mb)
@@ -54,8 +52,8 @@ def model_checks(rank: int, world: int):
         )
 
     # Forward-only through the data-parallel (FSDP) model, planned under a small budget.
-    model = wrap_fsdp(build("sdpa"), env, bf16=False)
-    planner = functools.partial(plan_dynamic, dp_size=env.dp_size, cp_size=1, max_tokens_per_gpu=128)
+    model = build("sdpa")
+    planner = make_planner("dynamic", PlanArgs(dp_size=env.dp_size, max_tokens_per_gpu=128))
     logprobs = compute_logprobs(model, samples, env, planner)
     reference = []
     with torch.no_grad():

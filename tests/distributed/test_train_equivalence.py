@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.train.compare import compare, run_arm
+from backend.bench.compare import compare, run_arm
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.distributed

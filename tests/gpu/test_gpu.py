@@ -30,20 +30,22 @@ def _batch(device):
 def backend_vs_sdpa(rank: int, world: int, backend: str):
     from backend.config import load_config
     from backend.distributed.setup import init_distributed
-    from backend.model.builder import build_gpt, token_losses
+    from backend.model.builder import token_losses
+    from backend.model.factory import build_model
 
     env = init_distributed(1)
-    cfg = load_config(None, ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512"])
+    base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512", "train.seed=3"]
     batch = _batch(env.device)
     out = {}
     grads = {}
     for name in ("sdpa", backend):
-        model = build_gpt(cfg.model, vocab_size=256, max_seq_length=512, backend=name, seed=3).to(env.device)
+        cfg = load_config(None, [*base, f"model.attention_backend={name}", "train.precision=fp32"])
+        model = build_model(cfg, env, tokenizer_vocab=256).model
         losses = token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid)
         loss = (losses * batch.loss_weight).sum() / batch.loss_mask.sum()
         loss.backward()
         out[name] = losses.detach()[batch.valid].cpu()
-        grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]).cpu()
     out["fwd_diff"] = float((out["sdpa"] - out[backend]).abs().max())
     g0, g1 = grads["sdpa"], grads[backend]
     out["grad_cos"] = float(torch.dot(g0, g1) / (g0.norm() * g1.norm()))
@@ -56,7 +58,7 @@ def test_flex_backward_on_cuda_matches_sdpa(tmp_path):
 
 
 def test_te_matches_sdpa(tmp_path):
-    from backend.model.compat import te_status
+    from backend.megatron_compat import te_status
 
     ok, why = te_status()
     if not ok:
@@ -66,7 +68,7 @@ def test_te_matches_sdpa(tmp_path):
 
 
 def test_bf16_train_step_tracks_fp32(tmp_path, embedded_cache):
-    from backend.train.compare import run_arm
+    from backend.bench.compare import run_arm
     from tests.conftest import TINY
 
     base = [f"data.cache_dir={embedded_cache}", "model.hidden_size=256", "train.dynamic_batch_enable=true"]

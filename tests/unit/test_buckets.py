@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.batching import bucket_length, choose_bucket_edges, plan_dynamic, round_up
-from backend.batching.length_sets import synthetic_lengths
+from backend.bench.length_sets import synthetic_lengths
 
 
 def padded_total(lengths, edges):

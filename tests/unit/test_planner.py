@@ -1,4 +1,4 @@
-"""The planner's contract (DESIGN.md section 3) as properties over random windows."""
+"""The planner's contract (the README's "What it guarantees" and "Pricing") as properties over random windows."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.batching import plan_dynamic, plan_fixed, plan_sort_and_stride, round_up
-from backend.batching.length_sets import LENGTH_SETS, synthetic_lengths
+from backend.bench.length_sets import LENGTH_SETS, synthetic_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,7 +187,7 @@ def test_fixed_bad_input_names_the_argument():
 def test_plans_identical_across_hash_seeds():
     code = (
         "import json; from backend.batching import plan_dynamic, plan_fixed;"
-        "from backend.batching.length_sets import synthetic_lengths as s;"
+        "from backend.bench.length_sets import synthetic_lengths as s;"
         "L = s('rl_longtail', 512, seed=7);"
         "print(json.dumps([plan_dynamic(L, dp_size=8, cp_size=2, max_tokens_per_gpu=16384).to_dict(),"
         " plan_fixed(L, dp_size=8, micro_batch_size=3).to_dict()]))"

@@ -21,16 +21,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backend.batching import Microbatch, StepPlan, plan_dynamic, plan_fixed, round_up
-from backend.batching.length_sets import synthetic_lengths
+from backend.batching import DEFAULT_MICROBATCH_OVERHEAD, Microbatch, StepPlan, plan_dynamic, plan_fixed, round_up
 from backend.data.collate import collate
 from backend.data.iterator import StepData, collate_plan
 from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
+from backend.distributed.collectives import dist_max
+from backend.distributed.fsdp import set_grad_sync
+from backend.train.step import microbatch_loss_sum, train_step
 
+from .length_sets import synthetic_lengths
 from .memory import SavedActivationMeter
-from .step import microbatch_loss_sum, train_step
-from .wrap import set_grad_sync
 
 # Length sets: (synthetic generator, longest length, sequences per step, tokens per GPU).
 CPU_SETS = {
@@ -53,9 +54,7 @@ def _sync(env) -> None:
 
 
 def _max_over_ranks(value: float, env) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return dist_max(value, env.device)
 
 
 def _random_samples(lengths, rng) -> list[Sample]:
@@ -98,7 +97,7 @@ def calibrate(model, env, *, max_tokens: int, max_len: int, repeats: int = 3, se
         "c1_s_per_token": c1,
         "c2_s_per_token_len": c2,
         "shapes": len(shapes),
-        "overhead_tokens": int(round(c0 / c1)) if c1 > 0 else 2048,
+        "overhead_tokens": int(round(c0 / c1)) if c1 > 0 else DEFAULT_MICROBATCH_OVERHEAD,
     }
 
 
@@ -172,7 +171,16 @@ def run_set(
             if env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(env.device)
             start = time.perf_counter()
-            train_step(model, optimizer, scheduler, data, env, clip_grad=1.0, step=step, meter=meter)
+            train_step(
+                model,
+                optimizer,
+                scheduler,
+                data,
+                env,
+                clip_grad=1.0,
+                step=step,
+                microbatch_hook=meter.microbatch if meter is not None else None,
+            )
             _sync(env)
             elapsed = _max_over_ranks(time.perf_counter() - start, env)
             peak = meter.peak if meter is not None else torch.cuda.max_memory_allocated(env.device)

@@ -38,3 +38,8 @@ class SavedActivationMeter:
     def watch(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
+
+    def microbatch(self, _index: int):
+        """A ``train_step`` microbatch hook: count this microbatch's saved tensors from zero."""
+        self.reset_microbatch()
+        return self.watch()

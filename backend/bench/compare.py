@@ -12,11 +12,12 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from backend.distributed.collectives import dist_max
 from backend.distributed.launch import torchrun_command
 
 
@@ -29,11 +30,15 @@ def _full_flat(tensors) -> torch.Tensor:
 
 
 def worker(argv: list[str]) -> int:
-    """One arm, inside torchrun: ``python -m backend.train.compare OUT STEPS CONFIG [overrides]``."""
+    """One arm, inside torchrun: ``python -m backend.bench.compare OUT STEPS CONFIG [overrides]``.
+
+    Each step runs the trainer's own pieces (next window, forward/backward, update, metrics) with
+    the full gradient recorded between the backward and the update."""
     out, steps, config, *overrides = argv
     from backend.config import load_config, validate
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.logging.metrics import peak_memory_bytes
+    from backend.train.step import apply_update, forward_backward
     from backend.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,19 +57,29 @@ def worker(argv: list[str]) -> int:
             "padding_efficiency": [],
         }
         for _ in range(int(steps)):
+            trainer.step += 1
             before = _full_flat(params)
-            grads: dict = {}
-            metrics = trainer.train_one_step(
-                on_grads=lambda m, grads=grads: grads.update(g=_full_flat(p.grad for p in params))
+            data, data_time = trainer.next_data()
+            start = time.perf_counter()
+            loss = forward_backward(trainer.model, data, env)
+            grad_time = time.perf_counter() - start
+            record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
+            start = time.perf_counter()
+            update = apply_update(
+                trainer.model,
+                trainer.optimizer,
+                trainer.scheduler,
+                loss=loss,
+                clip_grad=cfg.optimizer.clip_grad,
+                step=trainer.step,
             )
+            step_time = grad_time + time.perf_counter() - start  # the recording is not timed
+            metrics = trainer.log_step(data, {"loss": loss, **update, "step_time_s": step_time}, data_time)
             record["update"].append(_full_flat(params) - before)
-            record["grad"].append(grads["g"])
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
                 record[key].append(metrics[key])
         record["params"] = _full_flat(params)
-        peak = torch.tensor([peak_memory_bytes(env.device)], dtype=torch.int64, device=env.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        record["peak_memory_bytes"] = int(peak.item())
+        record["peak_memory_bytes"] = int(dist_max(peak_memory_bytes(env.device), env.device))
         record["world_size"] = env.world_size
         if env.is_main:
             torch.save(record, out)
@@ -82,7 +97,7 @@ def run_arm(
     cmd = torchrun_command(
         nproc,
         "-m",
-        "backend.train.compare",
+        "backend.bench.compare",
         str(out),
         str(steps),
         config,

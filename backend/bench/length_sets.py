@@ -1,24 +1,15 @@
-"""Synthetic sequence-length sets for simulations and benchmarks (seeded, standard library only)."""
+"""Sequence-length sets for simulations and benchmarks: seeded synthetic shapes and the embedded
+data set's real lengths (which is why this lives beside the benchmarks, not in the pure planner)."""
 
 from __future__ import annotations
 
 import math
 import os
 import random
-import sysconfig
+
+from backend.data.embedded import stdlib_source_files
 
 LENGTH_SETS = ("rl_longtail", "sft_lognormal", "uniform", "equal", "short", "embedded")
-
-
-def stdlib_source_files() -> list[str]:
-    """The running interpreter's standard-library .py files, sorted: real, long-tailed documents."""
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
-    return sorted(found)
 
 
 def synthetic_lengths(name: str, count: int, *, seed: int = 0, cap: int = 8192) -> list[int]:

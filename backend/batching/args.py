@@ -1,0 +1,57 @@
+"""The planner's arguments as one typed, validated bundle.
+
+Every planner (dynamic, fixed, sort-and-stride) takes the same world facts (DP and CP sizes, the
+pad multiple, the per-microbatch overhead) plus its own size knob (a token budget or a
+micro-batch size). Checking them once here gives every planner the same error messages, each
+naming the argument, and lets callers build a planner by name (``registry.make_planner``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .pricing import check_budget, check_positive_int, pad_multiple
+
+# Per-microbatch overhead of the step-time model, in token-equivalents: the fixed cost of one
+# microbatch (kernel launches, small GEMMs, FSDP all-gather/reduce-scatter). It depends on the
+# model and the data-parallel wrapper (the CPU benchmark measures about 400 for the quickstart
+# model), so it is a knob: config key train.dynamic_batch_overhead.
+DEFAULT_MICROBATCH_OVERHEAD = 2048
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """Everything a planner needs besides the window's lengths."""
+
+    dp_size: int
+    cp_size: int = 1
+    # Dynamic and sort-and-stride planners: tokens per GPU and microbatch, padding included.
+    max_tokens_per_gpu: int | None = None
+    # Fixed planner: sequences per microbatch.
+    micro_batch_size: int | None = None
+    pad_to_multiple: int = 1
+    overhead: int = DEFAULT_MICROBATCH_OVERHEAD
+    # Shape buckets (see buckets.choose_bucket_edges); None = exact lengths.
+    bucket_edges: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("dp_size", self.dp_size)
+        check_positive_int("cp_size", self.cp_size)
+        check_positive_int("pad_to_multiple", self.pad_to_multiple)
+        o = self.overhead
+        if isinstance(o, bool) or not isinstance(o, int) or o < 0:
+            raise ValueError(f"overhead must be an integer >= 0 (token-equivalents), got {o!r}")
+        if self.bucket_edges is not None:
+            object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
+
+    @property
+    def multiple(self) -> int:
+        """What every sequence is padded to: lcm(pad_to_multiple, 2*cp), or pad_to_multiple at cp 1."""
+        return pad_multiple(self.pad_to_multiple, self.cp_size)
+
+    def budget(self) -> int:
+        """max_tokens_per_gpu, checked to hold at least one CP-aligned row."""
+        return check_budget(self.max_tokens_per_gpu, self.multiple, self.cp_size)
+
+    def mbs(self) -> int:
+        return check_positive_int("micro_batch_size", self.micro_batch_size)
