@@ -1,36 +1,105 @@
 #!/usr/bin/env bash
-# The GPU check, one command, under 8 minutes on one GPU:
+# The GPU check, one command, under 8 minutes on one H200 with no network:
 #   bash tools/gpu_check.sh [OUT_DIR]
-# 1. the GPU-only tests (flex backward on CUDA vs sdpa, a BF16 train step, te when it imports);
-# 2. tools/bench_train.py on the GPU model (~250M parameters, BF16, FSDP2), three length sets.
-# Figures go to OUT_DIR (default: $OUT, else gpu_check_out): gpu_tests.log, bench_gpu.json/.log,
-# environment.txt, summary.txt. Exits 3 when no CUDA device is visible.
-set -uo pipefail
+# 0. No CUDA device visible: exit 3 with the reason, before anything else (so CPU machines stop here).
+# 1. megatron-core, omegaconf and wandb, when the image lacks them, from the carried gpu_wheelhouse/
+#    (build it with tools/gpu_wheelhouse.sh where there is network), offline, into .gpu_site/
+#    beside the image's packages (tools/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
+# 2. The steps at the bottom, each under its timeout, all under one budget (GPU_CHECK_BUDGET_S,
+#    420 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
+#    CUDA vs sdpa, a BF16 train step, TE when it imports), then tools/bench_train.py on the GPU
+#    model (~250M parameters, BF16, FSDP2), three length sets.
+# Files in OUT_DIR (default: $OUT, else gpu_check_out), at most 8 (what the device returns):
+# environment.txt (with the install log), NAME.log per step, bench_gpu.json, summary.txt (<= 30 lines).
+# Exit: 0 every step passed, 1 a step failed, timed out or was skipped, 2 install failed, 3 no CUDA.
+set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$out"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+wheelhouse="${WHEELHOUSE:-gpu_wheelhouse}"
+site=.gpu_site
+budget_s="${GPU_CHECK_BUDGET_S:-420}"
 
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 2> /dev/null; then
-  echo "gpu_check: no CUDA device visible to $py (torch missing or a CPU build); nothing to check" | tee "$out/summary.txt"
+# 0. CUDA first, with the reason; nothing else may run (or fail) before it.
+if ! reason=$("$py" -c "
+import sys
+try:
+    import torch
+except Exception as e:  # ImportError, or a CUDA build whose libraries fail to load
+    sys.exit(f'torch does not import ({e})')
+if not torch.cuda.is_available():
+    sys.exit(f'torch {torch.__version__} sees no CUDA device (built for CUDA {torch.version.cuda})')
+" 2>&1); then
+  echo "gpu_check: no CUDA device visible to $py: ${reason:-$py did not run}; nothing to check" | tee "$out/summary.txt"
   exit 3
 fi
-# Install what is missing beside the machine's own CUDA torch, never replacing it.
-if ! "$py" -c "import megatron.core, omegaconf, tokenizers, pytest, hypothesis" 2> /dev/null; then
-  torch_version=$("$py" -c "import torch; print(torch.__version__)")
-  "$py" -m pip install -q -c <(echo "torch==$torch_version") -e ".[dev]" 2>&1 | tail -2
+
+# 1. The carried wheels first on the path, then this checkout (no install of the package itself:
+# an editable install would need setuptools' build step, this needs nothing).
+export PYTHONPATH="$PWD/$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+install_log="(megatron-core, omegaconf and wandb import: nothing installed)"
+if ! "$py" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('megatron.core', 'omegaconf', 'wandb'))))" 2> /dev/null; then
+  if ! install_log=$(bash tools/gpu_install_offline.sh --wheelhouse "$wheelhouse" --python "$py" --target "$site" 2>&1); then
+    echo "$install_log" >&2
+    { echo "gpu_check: offline install from $wheelhouse failed (exit 2):"; echo "$install_log" | tail -n 8; } | tee "$out/summary.txt"
+    exit 2
+  fi
 fi
+# Facts for the record; none of them may stop the check.
 {
   nvidia-smi || true
-  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-  "$py" -c "from backend.megatron_compat import te_status; print('transformer_engine', te_status())"
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || true
+  "$py" -c "
+import importlib.metadata as m
+for n in ('megatron-core', 'omegaconf', 'wandb', 'transformers', 'triton'):
+    try:
+        print(n, m.version(n))
+    except m.PackageNotFoundError:
+        print(n, 'not installed')
+" || true
+  "$py" -c "from backend.megatron_compat import te_status; print('transformer_engine', te_status())" || true
+  echo "$install_log"
 } > "$out/environment.txt" 2>&1
 
+# 2. Steps. step NAME TIMEOUT_S COMMAND...: runs it under min(TIMEOUT_S, budget left), output to
+# the console and $out/NAME.log, one result line for the summary. Adding a check is one line below;
+# keep the files in $out at 8 or fewer.
 status=0
-timeout 240 "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 300 "$py" tools/bench_train.py --steps 3 --json --out "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log" || status=1
+deadline=$((SECONDS + budget_s))
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+step() {
+  local name=$1 limit=$2 left=$((deadline - SECONDS)) t0=$SECONDS rc=0 verdict last
+  shift 2
+  if [ "$left" -lt 30 ]; then
+    echo "$name: SKIPPED, the $budget_s s budget is spent" >> "$results"
+    status=1
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (timeout $limit s): $*"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log" || rc=$?
+  case $rc in
+    0) verdict=ok ;;
+    124 | 137) verdict="TIMED OUT after $limit s" ;;
+    *) verdict="FAILED (exit $rc)" ;;
+  esac
+  [ "$rc" -eq 0 ] || status=1
+  last=$(grep -v '^\s*$' "$out/$name.log" | tail -n 1 | cut -c1-160 || true)
+  echo "$name: $verdict in $((SECONDS - t0)) s${last:+; $last}" >> "$results"
+}
+
+step gpu_tests 180 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
+step bench_gpu 240 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+
+files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {
-  echo "gpu tests: $(tail -n 1 "$out/gpu_tests.log")"
-  grep -E "speedup vs mbs1|^device|^cost model" "$out/bench_gpu.log" || echo "bench: no result"
-} | tee "$out/summary.txt"
+  echo "gpu_check: exit $status, $SECONDS s; $(grep -m1 '^torch ' "$out/environment.txt")"
+  cat "$results"
+  grep -hE "^device |^cost model|speedup vs mbs1" "$out"/*.log || echo "bench: no result lines"
+  [ "$files" -lt 8 ] || echo "gpu_check: $((files + 1)) files in $out; the device returns only 8"
+} > "$out/summary.txt"
+sed -i '31,$d' "$out/summary.txt" # at most 30 lines (a head -n 30 pipe could kill the block with SIGPIPE)
+cat "$out/summary.txt"
 exit $status
