@@ -15,8 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend.data.errors import DataError  # noqa: E402
 from backend.data.indexed import write_indexed  # noqa: E402
-from backend.data.jsonl import DataFormatError, read_jsonl  # noqa: E402
+from backend.data.jsonl import read_jsonl  # noqa: E402
 from backend.data.tokenizers import build_tokenizer  # noqa: E402
 
 
@@ -30,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = build_tokenizer(args.tokenizer)
         samples = list(read_jsonl(args.input, tokenizer, args.json_key))
-    except (DataFormatError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not samples:
-        print(f"error: {args.input}: no samples", file=sys.stderr)
+        print(f"error: {args.input}: no samples (the file is empty or blank)", file=sys.stderr)
         return 1
     count = write_indexed(args.output_prefix, samples, tokenizer.vocab_size)
     tokens = sum(len(s.tokens) for s in samples)

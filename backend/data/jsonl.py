@@ -14,30 +14,45 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import DataFormatError
 from .sample import Sample
 
-
-class DataFormatError(ValueError):
-    """A malformed data row: the message starts with FILE:LINE."""
+__all__ = ["DataFormatError", "InMemoryDataset", "read_jsonl"]
 
 
-def _int_list(value, what: str, where: str, limit: int | None = None) -> np.ndarray:
+def _int_list(value, what: str, where: str, limit: int | None = None, hint: str = "") -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise DataFormatError(f"{where}: '{what}' must be a list of integers")
-    arr = np.asarray(value, dtype=np.int64)
+    try:
+        arr = np.asarray(value, dtype=np.int64)
+    except OverflowError:  # e.g. an id of 10**30: no int64 holds it, so no vocabulary does
+        bad = next(v for v in value if not -(2**63) <= v < 2**63)
+        span = f"outside [0, {limit}){hint}" if limit is not None else "too large for a 64-bit integer"
+        raise DataFormatError(f"{where}: '{what}' holds {bad}, {span}") from None
     if len(arr) and (arr.min() < 0 or (limit is not None and arr.max() >= limit)):
-        raise DataFormatError(f"{where}: '{what}' holds ids outside [0, {limit})")
+        raise DataFormatError(f"{where}: '{what}' holds ids outside [0, {limit}){hint}")
     return arr
 
 
 def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[Sample]:
     """Yield one Sample per non-blank line of ``path``."""
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    vocab_hint = f" (the vocabulary of data.tokenizer={getattr(tokenizer, 'name', '?')})"
+    # Bytes, decoded line by line: invalid UTF-8 then names its line instead of failing the file.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(
+                    f"{where}: not valid UTF-8 ({e.reason}, byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                    f"line); fix the file given as data.path"
+                ) from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -45,7 +60,7 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
             if not isinstance(row, dict):
                 raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
             if "input_ids" in row:
-                tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size)
+                tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, vocab_hint)
             elif json_key in row:
                 if not isinstance(row[json_key], str):
                     raise DataFormatError(f"{where}: '{json_key}' must be a string")
@@ -67,7 +82,10 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
                     isinstance(v, int | float) and not isinstance(v, bool) for v in w
                 ):
                     raise DataFormatError(f"{where}: 'loss_weight' must be a list of numbers")
-                weight = np.asarray(w, dtype=np.float32)
+                try:
+                    weight = np.asarray(w, dtype=np.float32)
+                except OverflowError:  # an integer beyond any float
+                    weight = np.full(len(w), np.inf, dtype=np.float32)
                 if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
                     raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
             yield Sample(tokens=tokens, loss_mask=mask, loss_weight=weight)

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import DataFileError, OverlongError
 from .sample import Sample
 
+__all__ = ["LengthLimitedDataset", "OverlongError", "OverlongReport"]
+
 log = logging.getLogger(__name__)
-
-
-class OverlongError(ValueError):
-    pass
 
 
 @dataclass
@@ -42,6 +41,8 @@ class LengthLimitedDataset:
         self.has_loss_weight = getattr(base, "has_loss_weight", False)
         self.max_seq_length = max_seq_length
         lengths = np.asarray(base.lengths, dtype=np.int64)
+        if len(lengths) == 0:
+            raise DataFileError(f"{base.source}: no samples; point data.path at a data set that has some")
         over = np.flatnonzero(lengths > max_seq_length)
         self.report = OverlongReport(max_seq_length, policy)
         if len(over) and policy == "error":

@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import DataFileError, DataStreamError
+
+# What a changed sampler setting means for the user, as the config key to restore.
+_STATE_KEYS = {
+    "seed": "train.seed",
+    "num_samples": "data.path / data.max_seq_length / data.overlong (the data set's size)",
+    "global_batch_size": "train.global_batch_size",
+    "shuffle": "the sampler's shuffle setting",
+}
+
+
+def oversampling_factor(num_samples: int, global_batch_size: int) -> float:
+    """How many times each sample appears per optimizer window: global_batch_size / num_samples
+    when a window is larger than the data set (the same sample then sits in one window two or
+    more times, which the trainer should warn about), else 1.0."""
+    if num_samples < 1:
+        raise DataFileError("the data set is empty: nothing to sample (data.path)")
+    return max(1.0, global_batch_size / num_samples)
+
 
 class WindowSampler:
     def __init__(self, num_samples: int, global_batch_size: int, seed: int, *, shuffle: bool = True):
         if num_samples < 1:
-            raise ValueError("the data set is empty: nothing to sample")
+            raise DataFileError("the data set is empty: nothing to sample (data.path)")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -58,8 +77,8 @@ class WindowSampler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_samples", "global_batch_size", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(
+                raise DataStreamError(
                     f"cannot resume the data stream: the checkpoint's {key}={state[key]} differs from this run's "
-                    f"{getattr(self, key)}; the same samples would not follow"
+                    f"{getattr(self, key)}; the same samples would not follow (restore {_STATE_KEYS[key]})"
                 )
         self.consumed = int(state["consumed"])

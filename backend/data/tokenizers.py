@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import DataNotFoundError, TokenizerError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255. Padding needs no id: padded positions are masked."""
@@ -28,8 +30,14 @@ class HFTokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {path}")
-        self._tok = Tokenizer.from_file(str(path))
+            raise DataNotFoundError(f"data.tokenizer: no tokenizer.json at {path}")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises plain Exception for JSON and schema errors
+            raise TokenizerError(
+                f"{path}: not a valid Hugging Face tokenizer.json ({e}); fix the file or set data.tokenizer "
+                f"(byte, or the path of a tokenizer.json)"
+            ) from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
