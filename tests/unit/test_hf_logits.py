@@ -26,11 +26,17 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def world():
+    """A one-process gloo world and megatron-core parallel state, undone afterwards (env included)."""
+    import os
+
     from backend.distributed.setup import init_distributed, shutdown_distributed
 
+    saved = dict(os.environ)
     init_distributed(1)
     yield
     shutdown_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _hf_logits(model, tokens, valid):
