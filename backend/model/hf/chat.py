@@ -1,0 +1,172 @@
+"""Chat data: JSONL rows of ``messages`` rendered with the checkpoint's chat template, with a loss
+mask that is 1 only on the assistant turns' tokens.
+
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+The template comes from the tokenizer directory: ``chat_template.jinja`` if present, else the
+``chat_template`` key of ``tokenizer_config.json`` (a string, or a list of named templates of
+which ``default`` is used). It runs in transformers' sandboxed Jinja environment; the tokenizer is
+loaded with ``local_files_only`` and never with remote code.
+
+Which tokens are the assistant's:
+
+- Templates with ``{% generation %}`` ... ``{% endgeneration %}`` blocks mark them exactly:
+  ``apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)``.
+- Other templates (most released ones): for assistant message k, the text rendered for
+  ``messages[:k]`` with the generation prompt is where its turn starts and the text rendered for
+  ``messages[:k+1]`` is where it ends (so the end-of-turn marker, e.g. ``<|im_end|>``, is trained
+  and the role header is not). The spans are compared in characters, not token prefixes, because
+  BPE may merge across a turn boundary; each token overlapping a span is masked in, which is the
+  rule transformers applies to generation blocks (both paths give the same mask, tested). This
+  needs a prefix-stable template: one that renders earlier turns identically whatever follows.
+  Templates that rewrite history (Qwen3's strips ``<think>`` from earlier assistant turns) fail
+  that check with an error: add generation blocks to such a template.
+
+Every error names the JSONL file and line, or the template file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from backend.data.jsonl import DataFormatError
+from backend.data.sample import Sample
+
+ROLES = ("system", "user", "assistant", "tool")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatTemplateError(DataFormatError):
+    """A missing or failing chat template; the message names the file (and line) or the row."""
+
+
+def _template_source(tokenizer_dir: Path) -> tuple[str, str]:
+    """(template text, where it came from)."""
+    jinja = tokenizer_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), str(jinja)
+    config = tokenizer_dir / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if isinstance(template, str) and template:
+            return template, f"{config} (chat_template)"
+    raise ChatTemplateError(
+        f"{tokenizer_dir}: no chat template (neither chat_template.jinja nor tokenizer_config.json)"
+    )
+
+
+class ChatRenderer:
+    """Renders message lists to (token ids, assistant loss mask) with one tokenizer and template."""
+
+    def __init__(self, tokenizer_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.dir = Path(tokenizer_dir)
+        self.template, self.template_source = _template_source(self.dir)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(self.dir), local_files_only=True, trust_remote_code=False
+            )
+        except Exception as e:
+            raise ChatTemplateError(f"{self.dir}: cannot load the tokenizer: {type(e).__name__}: {e}") from None
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ChatTemplateError(f"{self.dir}: a fast tokenizer (tokenizer.json) is needed for token offsets")
+        self.tokenizer.chat_template = self.template
+        self.uses_generation_blocks = bool(_GENERATION.search(self.template))
+        self._check_syntax()
+
+    def _check_syntax(self) -> None:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        try:
+            # generation blocks are transformers' extension; plain Jinja must still parse the rest
+            env.parse(_GENERATION.sub("", re.sub(r"\{%-?\s*endgeneration\s*-?%\}", "", self.template)))
+        except TemplateSyntaxError as e:
+            line = f":{e.lineno}" if not self.template_source.endswith(")") else f" line {e.lineno}"
+            raise ChatTemplateError(f"{self.template_source}{line}: chat template syntax error: {e.message}") from None
+
+    def _render(self, messages: list[dict], where: str, **kwargs) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception as e:  # jinja errors, raise_exception() in the template
+            raise ChatTemplateError(
+                f"{where}: chat template ({self.template_source}) failed: {type(e).__name__}: {e}"
+            ) from None
+
+    def render(self, messages, where: str = "messages") -> tuple[list[int], list[int]]:
+        """(token ids, loss mask) for one conversation; ``where`` prefixes errors (FILE:LINE)."""
+        _check_messages(messages, where)
+        if self.uses_generation_blocks:
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                )
+            except Exception as e:
+                raise ChatTemplateError(
+                    f"{where}: chat template ({self.template_source}) failed: {type(e).__name__}: {e}"
+                ) from None
+            ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+        else:
+            ids, mask = self._render_by_prefixes(messages, where)
+        if not any(mask):
+            raise DataFormatError(f"{where}: the conversation has no assistant tokens to train on")
+        return ids, mask
+
+    def _render_by_prefixes(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        full = self._render(messages, where)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = self._render(messages[:k], where, add_generation_prompt=True) if k else ""
+            end = self._render(messages[: k + 1], where)
+            if not (end.startswith(start) and full.startswith(end)):
+                raise ChatTemplateError(
+                    f"{where}: message {k}: the chat template ({self.template_source}) is not prefix-stable "
+                    "(it renders earlier turns differently when later turns follow), so assistant tokens "
+                    "cannot be located; add {% generation %} ... {% endgeneration %} around assistant content"
+                )
+            spans.append((len(start), len(end)))
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(e > s0 and b < s1 for s0, s1 in spans)) for b, e in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataFormatError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataFormatError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        if m.get("role") not in ROLES:
+            raise DataFormatError(f"{where}: message {i} has role {m.get('role')!r} (allowed: {', '.join(ROLES)})")
+        if not isinstance(m.get("content"), str):
+            raise DataFormatError(f"{where}: message {i} ({m['role']}) needs 'content' as a string")
+
+
+def read_chat_jsonl(path: str | Path, renderer: ChatRenderer) -> Iterator[Sample]:
+    """One Sample (tokens, loss_mask) per non-blank line of ``path``."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict) or "messages" not in row:
+                raise DataFormatError(f"{where}: expected an object with 'messages'")
+            ids, mask = renderer.render(row["messages"], where)
+            yield Sample(tokens=np.asarray(ids, dtype=np.int64), loss_mask=np.asarray(mask, dtype=np.int64))

@@ -1,0 +1,152 @@
+"""Our model -> a Hugging Face directory: config.json, safetensors weights, tokenizer files.
+
+Pure conversion: it takes our model fields (``config.FIELDS``) and an iterable of
+(megatron-core name, full tensor), so the caller decides how full tensors are gathered (one at a
+time from FSDP shards, or from a distributed checkpoint); nothing here imports training code.
+
+The config is written with the transformers 4.x keys (``rope_theta``, ``rope_scaling``,
+``torch_dtype``) that transformers 5.x still reads, so both load it with no custom code (tested
+with 5.24: ``AutoModelForCausalLM.from_pretrained`` gives the same logits). Token ids
+(bos/eos/pad) come from the source checkpoint's config.json when one is given. ``vocab_size`` is
+the embedding's row count: a model whose vocabulary was padded exports its padded rows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from .config import SUPPORTED_MODEL_TYPES
+from .mapping import hf_to_megatron_names, megatron_to_hf
+from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, write_sharded
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+#: Copied verbatim when present in the source directory: tokenizer, generation and chat-template
+#: files. Never ``*.py`` (custom code) or pickles.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"export dtype {name!r}: allowed values are bf16, fp32")
+    return DTYPES[name]
+
+
+def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | None = None) -> dict:
+    """The config.json for ``fields['model_type']`` (qwen3, llama or qwen2)."""
+    model_type = fields["model_type"]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r}: export supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if fields["qk_layernorm"] != (model_type == "qwen3"):
+        raise ValueError(f"qk_layernorm={fields['qk_layernorm']} cannot be expressed as a {model_type} model")
+    if fields["qkv_bias"] != (model_type == "qwen2"):
+        raise ValueError(f"qkv_bias={fields['qkv_bias']} cannot be expressed as a {model_type} model")
+    torch_dtype = str(_dtype(dtype)).removeprefix("torch.")
+    cfg = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_size": fields["hidden_size"],
+        "intermediate_size": fields["ffn_hidden_size"],
+        "num_hidden_layers": fields["num_layers"],
+        "num_attention_heads": fields["num_attention_heads"],
+        "num_key_value_heads": fields["num_query_groups"],
+        "head_dim": fields["head_dim"],
+        "vocab_size": fields["vocab_size"],
+        "max_position_embeddings": fields["max_position_embeddings"],
+        "rms_norm_eps": fields["norm_epsilon"],
+        "rope_theta": float(fields["rotary_base"]),
+        "rope_scaling": dict(fields["rope_scaling"]) if fields["rope_scaling"] else None,
+        "hidden_act": "silu",
+        "tie_word_embeddings": bool(fields["tie_embeddings"]),
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": torch_dtype,
+    }
+    if model_type in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if model_type == "llama":
+        cfg.update(mlp_bias=False, pretraining_tp=1)
+    if model_type in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=fields["num_layers"])
+    for key in _CARRIED_KEYS:
+        if source_config and source_config.get(key) is not None:
+            cfg[key] = source_config[key]
+    return cfg
+
+
+def hf_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], fields: dict, *, dtype: str = "bf16"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs, cast to ``dtype``, one megatron parameter at a time.
+
+    Every parameter the fields call for must come exactly once: a missing or repeated one is an
+    error after the stream ends (naming it), so a partial export never looks complete.
+    """
+    torch_dtype = _dtype(dtype)
+    expected = {pm.megatron for pm in hf_to_megatron_names(fields)}
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name.endswith("._extra_state"):
+            continue
+        if name in seen:
+            raise ValueError(f"{name}: given twice")
+        if name == "embedding.word_embeddings.weight" and tensor.shape[0] != fields["vocab_size"]:
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, but vocab_size={fields['vocab_size']}")
+        seen.add(name)
+        for hf_name, t in megatron_to_hf(name, tensor, fields):
+            yield hf_name, t.detach().to("cpu", torch_dtype)
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"export is missing {len(missing)} parameter(s): {', '.join(missing[:10])}")
+
+
+def copy_tokenizer_files(source_dir: str | Path, out_dir: str | Path) -> list[str]:
+    """Copy the tokenizer / generation / chat-template files present in ``source_dir``."""
+    src, out = Path(source_dir), Path(out_dir)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def export_hf_dir(
+    fields: dict,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    *,
+    dtype: str = "bf16",
+    source_dir: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write a complete HF directory; ``source_dir`` (the imported checkpoint) supplies tokenizer
+    files and token ids. config.json is written last, so a directory with one is complete."""
+    out = Path(out_dir)
+    source_config = None
+    if source_dir is not None and (Path(source_dir) / "config.json").is_file():
+        source_config = json.loads((Path(source_dir) / "config.json").read_text(encoding="utf-8"))
+    cfg = hf_config_dict(fields, dtype=dtype, source_config=source_config)
+    write_sharded(hf_tensors(named_tensors, fields, dtype=dtype), out, max_shard_bytes)
+    if source_dir is not None:
+        copy_tokenizer_files(source_dir, out)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return out
