@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend.model.attention import AttentionContext, make_core_attention
-from backend.model.compat import import_megatron_module
+from backend.model.attention import AttentionContext, core_attention_spec
+from backend.model.rope import Rope
+from backend.megatron_compat import import_megatron_module
 from backend.model.hf.rope import cos_sin, inv_freq
 
 COMMON = dict(
@@ -98,8 +99,8 @@ class RopeContext(AttentionContext):
     inv_freq: torch.Tensor | None = None
     attention_factor: float = 1.0
 
-    def rope(self, head_dim: int, dtype: torch.dtype):
-        key = ("rope", head_dim, dtype)
+    def rope(self, rope: Rope, dtype: torch.dtype):
+        key = ("rope", rope.head_dim, dtype)
         if key not in self._cache:
             cos, sin = cos_sin(self.positions.t(), self.inv_freq, self.attention_factor, dtype)  # [s, b, d]
             self._cache[key] = (cos[:, :, None, :], sin[:, :, None, :])
@@ -138,7 +139,8 @@ def build_megatron(fields: dict, backend: str = "sdpa"):
         cross_entropy_loss_fusion=False,
     )
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=fields["qk_layernorm"], normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = make_core_attention(backend)
+    rope = Rope(head_dim=fields["head_dim"], base=float(fields["rotary_base"]))  # RopeContext supplies the scaling
+    spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
     return gpt.GPTModel(
         config=config,
         transformer_layer_spec=spec,
