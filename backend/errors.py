@@ -30,20 +30,8 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be (safely) loaded or does not match this run."""
 
 
-# Errors defined where this module cannot reach yet (config and trainer code); they count as user
-# errors by qualified name, so no import is needed here. Once they subclass UserError this is moot.
-_USER_ERRORS_BY_NAME = frozenset(
-    {
-        "backend.config.load.ConfigError",
-        "backend.train.checkpoint.ResumeError",
-    }
-)
-
-
 def is_user_error(exc: BaseException) -> bool:
-    if isinstance(exc, UserError):
-        return True
-    return any(f"{cls.__module__}.{cls.__qualname__}" in _USER_ERRORS_BY_NAME for cls in type(exc).__mro__)
+    return isinstance(exc, UserError)
 
 
 def one_line(exc: BaseException) -> str:

@@ -12,10 +12,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from backend.errors import UserError
+
 from .schema import Config
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad config: the message names the dotted key and what is allowed."""
 
 

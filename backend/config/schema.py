@@ -128,6 +128,8 @@ class CheckpointConfig:
     resume: bool = True
     # Allow resuming with a different data-parallel size (changes the data order).
     allow_dp_change: bool = False
+    # Accept config changes that resume refuses (the model, the data stream, the CP layout).
+    allow_config_change: bool = False
 
 
 @dataclass

@@ -23,6 +23,9 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool) -> torch.nn.Module:
     )
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # Registered before fully_shard, so it runs before FSDP2's post-forward hook (hooks run in
+    # registration order) and FSDP never sees a view (see _own_output).
+    model.register_forward_hook(_own_output)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -31,6 +34,19 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool) -> torch.nn.Module:
             # Plain SUM collectives: gloo has no PREMUL_SUM, and with a factor of 1 none is needed.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _own_output(_module, _args, output):
+    """Give the model's output its own storage when it is a view.
+
+    megatron-core returns the per-token loss as ``loss.transpose(0, 1).contiguous()``; for a
+    one-row microbatch ([s, 1] -> [1, s]) the transpose is already contiguous, so ``contiguous()``
+    returns the view itself and FSDP2 warns on every such microbatch that an in-place op on it
+    could skip its pre-backward hook. Copying a [1, s] loss costs s floats (16 KiB at s = 4096).
+    """
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return output.clone()
+    return output
 
 
 def set_grad_sync(model: torch.nn.Module, enabled: bool) -> None:

@@ -2,7 +2,8 @@
 data-stream, RNG and run metadata. Written atomically: everything goes to a hidden temporary
 directory that is renamed into place only when complete, so a kill at any moment leaves either
 the previous complete checkpoint or the new one, never half of one. Loading never unpickles:
-DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG states.
+DCP for tensors (its pickled ``.metadata`` through a restricted unpickler, see ``safe_dcp``), JSON
+for metadata, ``torch.load(weights_only=True)`` for RNG states.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from backend.errors import CheckpointError
+
+from .safe_dcp import safe_load
+
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
 
 
-class ResumeError(RuntimeError):
-    pass
+class ResumeError(CheckpointError):
+    """The checkpoint is readable but does not fit this run (its parallel layout differs)."""
 
 
 def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -75,10 +80,28 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler, *, env, allow_dp_change: bool) -> dict:
-    """Restore in place; returns the metadata (step, data state, ...)."""
+def read_meta(path: str | Path) -> dict:
+    """A checkpoint's meta.json, or a CheckpointError naming the file."""
+    file = Path(path) / META
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+    missing = [
+        k for k in ("step", "scheduler", "dp_size", "cp_size", "data") if not isinstance(meta, dict) or k not in meta
+    ]
+    if missing:
+        raise CheckpointError(f"{file}: checkpoint metadata lacks {', '.join(missing)}")
+    return meta
+
+
+def load_checkpoint(
+    path: str | Path, model, optimizer, scheduler, *, env, allow_dp_change: bool, meta: dict | None = None
+) -> dict:
+    """Restore in place; returns the metadata (step, data state, ...). Never unpickles: DCP through
+    the restricted reader (``safe_dcp``), JSON, and ``torch.load(weights_only=True)``."""
     path = Path(path)
-    meta = json.loads((path / META).read_text())
+    meta = read_meta(path) if meta is None else meta
     if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not allow_dp_change):
         raise ResumeError(
             f"{path} was written with data-parallel size {meta['dp_size']} and context-parallel size "
@@ -88,7 +111,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, *, env, allow
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    safe_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{env.rank}.pt"

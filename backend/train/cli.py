@@ -1,5 +1,11 @@
 """The training command: ``python -m backend.train CONFIG.yaml [dotted.key=value ...]`` or the
-installed ``backend-train CONFIG.yaml ...``, also under torchrun."""
+installed ``backend-train CONFIG.yaml ...``, also under torchrun.
+
+Exit status: 0 finished (or stopped by SIGTERM/SIGUSR1 after saving: Slurm requeues and resumes);
+130 stopped by Ctrl-C after saving (resumable: run the same command again); 2 a user error (a bad
+config key, data file or checkpoint), printed as one line ``error: ...`` (set BACKEND_DEBUG=1 for
+the traceback); 1 anything else (a bug: its traceback is the report).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ import os
 import sys
 
 from backend.config import ConfigError, load_config, to_yaml, validate
+from backend.errors import run_main
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     from backend.logging.wandb_run import start_wandb
     from backend.train.trainer import Trainer
 
-    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
-    try:
-        trainer = Trainer(cfg, env)
-        wandb_run = start_wandb(cfg, env, run_id=trainer.wandb_run_id)
-        trainer.attach_wandb(wandb_run)
-        trainer.train()
-        if wandb_run is not None:
-            wandb_run.finish()
-    finally:
-        shutdown_distributed()
-    return 0
+    def run() -> int:
+        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        try:
+            trainer = Trainer(cfg, env)
+            wandb_run = start_wandb(cfg, env, run_id=trainer.wandb_run_id)
+            trainer.attach_wandb(wandb_run)
+            outcome = trainer.train()
+            if wandb_run is not None:
+                wandb_run.finish()
+        finally:
+            shutdown_distributed()
+        return EXIT_INTERRUPTED if outcome == "interrupted" else 0
+
+    return run_main(run)

@@ -141,3 +141,29 @@ def _plausibly_alive(holder: dict | None) -> bool:
 def acquire_run_lock(directory: str | Path, *, config_key: str = "logger.run_dir") -> RunLock:
     """Lock ``directory`` for this process's life, or raise RunDirLockedError naming the holder."""
     return RunLock(directory, config_key=config_key).acquire()
+
+
+def hold_run_dirs(cfg, env) -> list[RunLock]:
+    """Rank 0 locks ``logger.run_dir`` and the checkpoint directory; every rank learns the outcome.
+
+    Only rank 0 writes into these directories, so only it locks; one all-reduce tells the other
+    ranks, so a refused start exits on every rank at once instead of leaving them in a collective.
+    """
+    from backend.config import checkpoint_dir
+    from backend.distributed.collectives import dist_any
+
+    locks: list[RunLock] = []
+    error: RunDirLockedError | None = None
+    if env.is_main:
+        run_dir, ckpt = Path(cfg.logger.run_dir).resolve(), checkpoint_dir(cfg).resolve()
+        try:
+            locks.append(acquire_run_lock(run_dir, config_key="logger.run_dir"))
+            if run_dir != ckpt and run_dir not in ckpt.parents:
+                locks.append(acquire_run_lock(ckpt, config_key="checkpoint.dir"))
+        except RunDirLockedError as e:
+            for lock in locks:
+                lock.release()
+            error = e
+    if dist_any(error is not None, env.device):
+        raise error or RunDirLockedError(f"{cfg.logger.run_dir}: held by another run (rank 0 says which)")
+    return locks

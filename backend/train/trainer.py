@@ -10,16 +10,20 @@ from pathlib import Path
 
 from backend.config import Config, checkpoint_dir, save_config
 from backend.data.build import build_dataset
+from backend.data.errors import DataError
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
-from backend.data.sampler import WindowSampler
+from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
 from backend.model.factory import build_model
 
-from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
+from .metrics_rewind import rewind_metrics
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
+from .resume import resume_latest
+from .run_lock import hold_run_dirs
 from .step import train_step
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.logger.run_dir)
         self.ckpt_dir = checkpoint_dir(cfg)
+        self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
         world = describe_world(env)
         check_world_matches_allocation(world)
         if env.is_main:
@@ -43,6 +48,15 @@ class Trainer:
             )
 
         self.dataset, self.tokenizer = build_dataset(cfg.data)
+        self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
+        if self.oversampling > 1 and env.is_main:
+            log.warning(
+                "train.global_batch_size=%d is larger than the data set (%d samples): each window trains every "
+                "sample about %.1f times",
+                cfg.train.global_batch_size,
+                len(self.dataset),
+                self.oversampling,
+            )
         built = build_model(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
         self.model, self.backend = built.model, built.attention_backend
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -59,18 +73,14 @@ class Trainer:
 
         self.step = 0
         self.wandb_run_id = None
-        if cfg.checkpoint.resume and (found := complete_checkpoints(self.ckpt_dir)):
-            meta = load_checkpoint(
-                found[-1],
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                env=env,
-                allow_dp_change=cfg.checkpoint.allow_dp_change,
-            )
+        if cfg.checkpoint.resume and (
+            meta := resume_latest(self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env)
+        ):
             self.step = meta["step"]
             self.data.load_state_dict(meta["data"])
             self.wandb_run_id = meta.get("wandb_run_id")
+        if env.is_main and (dropped := rewind_metrics(self.run_dir / "metrics.jsonl", self.step)):
+            log.info("metrics.jsonl: dropped %d row(s) past step %d (written before a restart)", dropped, self.step)
         self.metrics = MetricsLogger(
             self.run_dir, cfg.train.train_iters, enabled=env.is_main, log_interval=cfg.logger.log_interval
         )
@@ -97,7 +107,8 @@ class Trainer:
             self.wandb_run_id = run.id
 
     def train(self) -> str:
-        """Run to train.train_iters; returns "finished", or "preempted" after a stop signal."""
+        """Run to train.train_iters; returns "finished", "preempted" (SIGTERM/SIGUSR1) or "interrupted"
+        (Ctrl-C), the last two after saving a checkpoint at the step where every rank stopped."""
         stop = StopRequest().install()
         try:
             while self.step < self.cfg.train.train_iters:
@@ -110,7 +121,7 @@ class Trainer:
                         stop.signal_name or "on another rank",
                         self.step,
                     )
-                    return "preempted"
+                    return "interrupted" if stop.signal_name == "SIGINT" else "preempted"
                 if self.should_save():
                     self.save()
             return "finished"
@@ -119,6 +130,13 @@ class Trainer:
 
     def train_one_step(self) -> dict:
         data, data_time = self.next_data()
+        if data.global_loss_tokens == 0:
+            ids = [int(i) for i in data.window_ids[:8]]
+            raise DataError(
+                f"{self.dataset.source}: step {self.step}: the window's {len(data.window_ids)} samples (dataset indices "
+                f"{ids}{' ...' if len(data.window_ids) > 8 else ''}) hold no loss tokens (every loss_mask is 0), so "
+                f"there is nothing to train on; check the data's loss_mask (or its chat template's assistant turns)"
+            )
         out = train_step(
             self.model,
             self.optimizer,
@@ -145,6 +163,7 @@ class Trainer:
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
         metrics["peak_memory_bytes"] = peak_memory_bytes(self.env.device)
         metrics["loss_tokens"] = data.global_loss_tokens
+        metrics["oversampling_factor"] = self.oversampling
         metrics.update(self.dataset.report.as_dict())
         self.metrics.log(metrics)
         return metrics

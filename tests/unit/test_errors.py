@@ -42,10 +42,11 @@ def test_return_values_become_the_exit_status():
     assert run_main(lambda: 3) == 3
 
 
-def test_config_and_resume_errors_count_by_name():
-    ConfigError = type("ConfigError", (ValueError,), {"__module__": "backend.config.load"})
-    Sub = type("Sub", (ConfigError,), {"__module__": "elsewhere"})
-    assert is_user_error(ConfigError("x")) and is_user_error(Sub("x"))
+def test_config_and_resume_errors_are_user_errors():
+    from backend.config import ConfigError
+    from backend.train.checkpoint import ResumeError
+
+    assert is_user_error(ConfigError("x")) and is_user_error(ResumeError("x"))
     assert not is_user_error(ValueError("x"))
     assert one_line(ValueError("")) == "ValueError"
 
