@@ -70,6 +70,10 @@ class DataConfig:
     overlong: str = "error"
     # Where the embedded data set and tokenised JSONL caches are written.
     cache_dir: str = "data_cache"
+    # Validation data: a file in any data.path format, or ...
+    valid_path: str = ""
+    # ... a seeded, disjoint fraction of the training data (0 = none; ignored when valid_path is set).
+    valid_fraction: float = 0.0
 
 
 @dataclass
@@ -93,6 +97,10 @@ class TrainConfig:
     forward_max_tokens_per_gpu: int = 0
     # Optimizer steps to run.
     train_iters: int = 10
+    # Evaluate the validation loss every N steps and at the end (0 = never).
+    eval_interval: int = 0
+    # Validation samples evaluated each time, the same ones every time (0 = all).
+    eval_samples: int = 0
     seed: int = 1234
     # auto: bf16 on CUDA, fp32 on CPU.
     precision: str = "auto"

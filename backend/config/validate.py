@@ -44,6 +44,8 @@ _NON_NEGATIVE = (
     "train.dynamic_batch_overhead",
     "train.dynamic_batch_max_shapes",
     "train.forward_max_tokens_per_gpu",
+    "train.eval_interval",
+    "train.eval_samples",
     "scheduler.warmup_iters",
     "checkpoint.interval",
     "checkpoint.keep_last",
@@ -80,6 +82,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
         )
+    if not 0 <= cfg.data.valid_fraction < 1:
+        errors.append(f"data.valid_fraction={cfg.data.valid_fraction}: must be in [0, 1)")
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr}: must be > 0")
     if not 0 <= o.min_lr <= o.lr:
@@ -109,6 +113,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                 f"{key}={value}: must hold at least one CP-aligned row: {smallest} tokens per GPU "
                 f"(a row padded to lcm(train.dynamic_batch_pad_to_multiple, 2*cp) over cp={cp})"
             )
+    if t.eval_interval and not (cfg.data.valid_path or cfg.data.valid_fraction):
+        errors.append("train.eval_interval: set data.valid_path or data.valid_fraction to say what to evaluate")
+    if t.eval_interval and not (t.forward_max_tokens_per_gpu or t.max_tokens_per_gpu):
+        errors.append(
+            "train.eval_interval: evaluation is planned under a token budget; set train.forward_max_tokens_per_gpu"
+        )
     if m.max_position_embeddings and m.max_position_embeddings < cfg.data.max_seq_length:
         errors.append(
             f"model.max_position_embeddings={m.max_position_embeddings}: must be >= data.max_seq_length="

@@ -55,3 +55,17 @@ class MetricsLogger:
                 file=sys.stdout,
                 flush=True,
             )
+
+    def log_eval(self, step: int, row: dict) -> None:
+        """A validation row ({"kind": "eval", "step", "valid_loss", ...}) in metrics.jsonl and wandb."""
+        if not self.enabled:
+            return
+        row = {"kind": "eval", "step": step, **row}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in row.items() if isinstance(v, int | float) and k != "step"}, step=step)
+        print(
+            f"step {step}/{self.total} | valid_loss {row['valid_loss']:.4f} on {row['valid_tokens']:,} tokens",
+            flush=True,
+        )

@@ -66,6 +66,7 @@ _REFUSED_KEYS = {
     "train.global_batch_size": "the data stream (samples per window)",
     "train.seed": "the data stream (the sampler's permutations)",
     "parallel.context_parallel_size": "the context-parallel layout",
+    "data.valid_fraction": "which samples the training stream holds (the validation split)",
 }
 _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
@@ -80,6 +81,9 @@ _ALLOWED_KEYS = {
     "train.forward_max_tokens_per_gpu": "forward-only passes' microbatching",
     "train.precision": "compute dtype only; FP32 master weights and optimizer state load unchanged",
     "data.cache_dir": "where caches live",
+    "data.valid_path": "what is evaluated, not what is trained",
+    "train.eval_interval": "when validation runs",
+    "train.eval_samples": "what is evaluated, not what is trained",
     "parallel.backend": "the collective transport",
     "parallel.data_parallel_wrapper": "the data-parallel wrapper",
 }

@@ -13,12 +13,14 @@ from backend.data.build import build_dataset
 from backend.data.errors import DataError
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
 from backend.data.sampler import WindowSampler, oversampling_factor
+from backend.data.split import build_train_and_valid, evaluation_ids
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
 from backend.model.factory import build_model
 
 from .checkpoint import save_checkpoint
+from .evaluate import validation_loss
 from .metrics_rewind import rewind_metrics
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
@@ -47,7 +49,7 @@ class Trainer:
                 ", ".join(f"rank {w['rank']}@{w['hostname']}/node {w['slurm_node_id']}" for w in world),
             )
 
-        self.dataset, self.tokenizer = build_dataset(cfg.data)
+        self.dataset, self.valid, self.tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build_dataset)
         self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
         if self.oversampling > 1 and env.is_main:
             log.warning(
@@ -70,6 +72,9 @@ class Trainer:
         self.data = DataIterator(
             self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
+        if self.valid is not None:
+            self.valid_ids = evaluation_ids(self.valid, cfg.train.eval_samples)
+            self.valid_planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
 
         self.step = 0
         self.wandb_run_id = None
@@ -122,6 +127,8 @@ class Trainer:
                         self.step,
                     )
                     return "interrupted" if stop.signal_name == "SIGINT" else "preempted"
+                if self.should_evaluate():
+                    self.evaluate()
                 if self.should_save():
                     self.save()
             return "finished"
@@ -167,6 +174,22 @@ class Trainer:
         metrics.update(self.dataset.report.as_dict())
         self.metrics.log(metrics)
         return metrics
+
+    def should_evaluate(self) -> bool:
+        interval = self.cfg.train.eval_interval
+        return (
+            bool(interval)
+            and self.valid is not None
+            and (self.step % interval == 0 or self.step == self.cfg.train.train_iters)
+        )
+
+    def evaluate(self) -> dict:
+        """The validation loss on the fixed validation samples; logged as an eval row."""
+        start = time.perf_counter()
+        loss, tokens = validation_loss(self.model, self.valid, self.valid_ids, self.env, self.valid_planner)
+        row = {"valid_loss": loss, "valid_tokens": tokens, "valid_time_s": time.perf_counter() - start}
+        self.metrics.log_eval(self.step, row)
+        return row
 
     def should_save(self) -> bool:
         interval = self.cfg.checkpoint.interval

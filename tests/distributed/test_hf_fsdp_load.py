@@ -20,10 +20,11 @@ KINDS = ("qwen3", "qwen2")  # tied embeddings + QK norm; QKV bias + YaRN
 
 
 def load_sharded(rank: int, world: int, hf_root: str, tokens: torch.Tensor, valid: torch.Tensor):
+    from backend.train.wrap import wrap_fsdp
+
     from backend.distributed.setup import init_distributed
     from backend.model.hf.config import read_hf_config
     from backend.model.hf.load import load_hf_weights
-    from backend.train.wrap import wrap_fsdp
     from tests.helpers.hf_tiny import build_megatron, megatron_logits
 
     env = init_distributed(1)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend.model.attention import AttentionContext, core_attention_spec
-from backend.model.rope import Rope
 from backend.megatron_compat import import_megatron_module
+from backend.model.attention import AttentionContext, core_attention_spec
 from backend.model.hf.rope import cos_sin, inv_freq
+from backend.model.rope import Rope
 
 COMMON = dict(
     vocab_size=300,
