@@ -114,6 +114,16 @@ class Trainer:
     def train(self) -> str:
         """Run to train.train_iters; returns "finished", "preempted" (SIGTERM/SIGUSR1) or "interrupted"
         (Ctrl-C), the last two after saving a checkpoint at the step where every rank stopped."""
+        if self.step >= self.cfg.train.train_iters:
+            if self.env.is_main:
+                log.warning(
+                    "this run already finished: step %d of train.train_iters=%d is checkpointed in %s; nothing to "
+                    "train (raise train.train_iters to continue it)",
+                    self.step,
+                    self.cfg.train.train_iters,
+                    self.ckpt_dir,
+                )
+            return "finished"
         stop = StopRequest().install()
         try:
             while self.step < self.cfg.train.train_iters:
