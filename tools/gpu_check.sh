@@ -90,14 +90,15 @@ step() {
   echo "$name: $verdict in $((SECONDS - t0)) s${last:+; $last}" >> "$results"
 }
 
-step gpu_tests 180 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
-step bench_gpu 240 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+step gpu_tests 120 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
+step flex_compile 60 "$py" tools/flex_compile_count.py --steps 4
+step bench_gpu 200 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
 
 files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {
   echo "gpu_check: exit $status, $SECONDS s; $(grep -m1 '^torch ' "$out/environment.txt")"
   cat "$results"
-  grep -hE "^device |^cost model|speedup vs mbs1" "$out"/*.log || echo "bench: no result lines"
+  grep -hE "^device |^cost model|speedup vs mbs1|^flex compile" "$out"/*.log || echo "bench: no result lines"
   [ "$files" -lt 8 ] || echo "gpu_check: $((files + 1)) files in $out; the device returns only 8"
 } > "$out/summary.txt"
 sed -i '31,$d' "$out/summary.txt" # at most 30 lines (a head -n 30 pipe could kill the block with SIGPIPE)
