@@ -14,12 +14,14 @@ they can be logged, printed or tested alike.
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
@@ -149,6 +151,16 @@ class ProgressDisplay:
         self._task = self._progress.add_task("train", total=self.total, completed=self.start_step, stats="", eta="")
         self._progress.start()
         atexit.register(self.close)  # a run that stops early must not leave the cursor hidden
+        # While the bar is live, rich routes sys.stdout / sys.stderr writes above it; logging handlers
+        # hold the original streams, so point them at the routed ones until close() (else a warning
+        # mid-run would tear the bar).
+        self._handlers = []
+        for handler in logging.getLogger().handlers:
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and stream in (sys.__stderr__, sys.__stdout__):
+                routed = sys.stderr if stream is sys.__stderr__ else sys.stdout
+                if routed is not stream:
+                    self._handlers.append((handler, handler.setStream(routed)))
 
     # ---- both ----------------------------------------------------------------------------
     def eta_seconds(self, step: int) -> float | None:
@@ -200,34 +212,33 @@ class ProgressDisplay:
             self._progress.refresh()
             self._progress.stop()
             self._progress = None
+            for handler, stream in self._handlers:
+                handler.setStream(stream)
         self.closed = True
 
 
 # ---- summaries -------------------------------------------------------------------------------
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) of already sorted values, nearest-rank."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
-
-
 def length_stats(lengths: Iterable[int]) -> dict:
-    """count, mean, min, p50, p90, p99, max of sample lengths (tokens)."""
-    values = sorted(int(v) for v in lengths)
-    if not values:
+    """count, tokens, mean, min, p50, p90, p99, max of sample lengths (nearest-rank percentiles;
+    one sort, about a second for 10 million lengths)."""
+    values = np.sort(np.asarray(list(lengths) if not hasattr(lengths, "__len__") else lengths, dtype=np.int64))
+    if not len(values):
         return {"count": 0}
+
+    def pct(q: float) -> int:
+        return int(values[min(len(values), max(1, math.ceil(q / 100 * len(values)))) - 1])
+
     return {
-        "count": len(values),
-        "tokens": sum(values),
-        "mean": sum(values) / len(values),
-        "min": values[0],
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": values[-1],
+        "count": int(len(values)),
+        "tokens": int(values.sum()),
+        "mean": float(values.mean()),
+        "min": int(values[0]),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": int(values[-1]),
     }
 
 
