@@ -32,7 +32,7 @@ DPI = 100
 FIGSIZE = (15.0, 8.5)  # inches: 1500 x 850 pixels
 # (metric key, panel title, y label); loss is drawn with valid_loss, padding efficiency with its worst rank.
 PANELS = (
-    ("loss", "loss (train: line, valid: dashed markers)", "loss"),
+    ("loss", "training loss", "loss"),
     ("lr", "learning rate", "lr"),
     ("tokens_per_s", "throughput", "tokens / s"),
     ("padding_efficiency", "padding efficiency (solid: all ranks, dotted: worst rank)", "real / padded tokens"),
@@ -86,6 +86,8 @@ def plot_metrics(paths: list[Path], out: str | Path, *, title: str = "") -> Path
                 wsteps, wvalues = _series(train, "padding_efficiency_min_rank")
                 if wsteps:
                     ax.plot(wsteps, wvalues, color=color, linestyle=":", linewidth=1.0)
+        if key == "loss" and any(evals for _, _, evals in runs):
+            panel_title = "loss (train: line, valid: dashed with markers)"
         ax.set_title(panel_title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
