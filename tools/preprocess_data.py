@@ -5,6 +5,13 @@
 
 Each line holds "text" (or --json-key) or "input_ids", and optionally per-token "loss_mask" and
 "loss_weight". A malformed line stops the run with its file and line number; nothing is written.
+
+--append-eod (Megatron's) ends every document with the tokenizer's end-of-document id, a target
+of the loss like any other token (its mask and weight repeat the document's last token's). For
+--tokenizer byte that id is 256, outside the bytes: the vocabulary becomes 257 and the .bin holds
+uint16. A Hugging Face tokenizer uses its eos token (tokenizer_config.json's eos_token beside
+the tokenizer.json, else config.json's eos_token_id, else a usual name such as <|endoftext|>).
+Train on the result with data.append_eod=true, which gives the tokenizer the same id.
 """
 
 from __future__ import annotations
@@ -27,10 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
     p.add_argument("--json-key", default="text", help="field holding the text")
+    p.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="end every document with the tokenizer's end-of-document id (byte: 256); train with data.append_eod=true",
+    )
     args = p.parse_args(argv)
     try:
-        tokenizer = build_tokenizer(args.tokenizer)
-        samples = list(read_jsonl(args.input, tokenizer, args.json_key))
+        tokenizer = build_tokenizer(args.tokenizer, eod=args.append_eod)
+        samples = list(read_jsonl(args.input, tokenizer, args.json_key, append_eod=args.append_eod))
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -39,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     count = write_indexed(args.output_prefix, samples, tokenizer.vocab_size)
     tokens = sum(len(s.tokens) for s in samples)
-    print(f"wrote {count} samples, {tokens} tokens to {args.output_prefix}.bin/.idx")
+    eod = f" (each ending in end-of-document id {tokenizer.eod_id})" if args.append_eod else ""
+    print(f"wrote {count} samples, {tokens} tokens{eod} to {args.output_prefix}.bin/.idx")
     return 0
 
 

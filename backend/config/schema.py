@@ -7,6 +7,7 @@ last override, in ``validate.validate``, which names each offending dotted key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from backend.batching import DEFAULT_MICROBATCH_OVERHEAD
@@ -74,6 +75,10 @@ class DataConfig:
     valid_path: str = ""
     # ... a seeded, disjoint fraction of the training data (0 = none; ignored when valid_path is set).
     valid_fraction: float = 0.0
+    # Append the tokenizer's end-of-document id to every JSONL sample (Megatron's --append-eod; byte:
+    # id 256, so the vocabulary is 257). For a .bin/.idx prefix nothing is appended: say true when it
+    # was written by tools/preprocess_data.py --append-eod, so the tokenizer's vocabulary holds the id.
+    append_eod: bool = False
 
 
 @dataclass
@@ -118,10 +123,31 @@ class OptimizerConfig:
     clip_grad: float = 1.0
 
 
+# Learning-rate schedules (backend.train.optim.lr_at) and the shapes of wsd's decay phase.
+SCHEDULE_TYPES = ("cosine", "linear", "constant", "wsd")
+DECAY_STYLES = ("linear", "cosine", "sqrt")
+
+
+def wsd_decay_iters(decay_fraction: float, train_iters: int) -> int:
+    """Steps in wsd's decay phase: ceil(decay_fraction * train_iters), at least 1."""
+    return max(1, math.ceil(decay_fraction * train_iters - 1e-9))
+
+
 @dataclass
 class SchedulerConfig:
-    # Linear warmup steps, then cosine decay to optimizer.min_lr at train.train_iters.
+    """Linear warm-up for every type, then (backend/train/optim.py has the formulas):
+    cosine / linear: decay to optimizer.min_lr at train.train_iters; constant: optimizer.lr;
+    wsd (warmup-stable-decay): optimizer.lr, then the last decay_fraction of train.train_iters
+    decays to optimizer.min_lr with decay_style."""
+
+    # cosine, linear, constant or wsd.
+    type: str = "cosine"
+    # Linear warm-up steps (from lr / warmup_iters to optimizer.lr), for every type.
     warmup_iters: int = 2
+    # wsd only: the decay phase is the last ceil(decay_fraction * train.train_iters) steps, in (0, 1].
+    decay_fraction: float = 0.1
+    # wsd only: the decay's shape: linear (1 - p), cosine, or sqrt (1 - sqrt(p)), p its progress.
+    decay_style: str = "linear"
 
 
 @dataclass

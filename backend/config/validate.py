@@ -7,11 +7,14 @@ from backend.batching import smallest_budget
 from .load import ConfigError
 from .schema import (
     ATTENTION_BACKENDS,
+    DECAY_STYLES,
     DP_WRAPPERS,
     OVERLONG_POLICIES,
     PRECISIONS,
+    SCHEDULE_TYPES,
     WANDB_MODES,
     Config,
+    wsd_decay_iters,
 )
 
 _CHOICES = {
@@ -21,6 +24,8 @@ _CHOICES = {
     "logger.wandb.mode": WANDB_MODES,
     "parallel.data_parallel_wrapper": DP_WRAPPERS,
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "scheduler.type": SCHEDULE_TYPES,
+    "scheduler.decay_style": DECAY_STYLES,
 }
 _POSITIVE = (
     "model.num_layers",
@@ -91,6 +96,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     for key in ("optimizer.adam_beta1", "optimizer.adam_beta2"):
         if not 0 <= get(cfg, key) < 1:
             errors.append(f"{key}={get(cfg, key)}: must be in [0, 1)")
+    sc = cfg.scheduler
+    if not 0 < sc.decay_fraction <= 1:
+        errors.append(f"scheduler.decay_fraction={sc.decay_fraction}: must be in (0, 1]")
     if errors:  # the cross-section checks below assume sane single values
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -119,6 +127,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(
             "train.eval_interval: evaluation is planned under a token budget; set train.forward_max_tokens_per_gpu"
         )
+    if sc.type == "wsd":
+        decay = wsd_decay_iters(sc.decay_fraction, t.train_iters)
+        if sc.warmup_iters + decay > t.train_iters:
+            errors.append(
+                f"scheduler.warmup_iters={sc.warmup_iters}: warm-up plus the wsd decay phase (ceil("
+                f"scheduler.decay_fraction={sc.decay_fraction} * train.train_iters={t.train_iters}) = {decay} steps) "
+                f"must fit in train.train_iters={t.train_iters}"
+            )
     if m.max_position_embeddings and m.max_position_embeddings < cfg.data.max_seq_length:
         errors.append(
             f"model.max_position_embeddings={m.max_position_embeddings}: must be >= data.max_seq_length="

@@ -165,6 +165,18 @@ class IndexedTokenDataset:
                 [int(np.count_nonzero(self._mask.get(i)[1:])) for i in range(len(self.lengths))], dtype=np.int64
             )
 
+    @property
+    def token_itemsize(self) -> int:
+        """Bytes per token id in PREFIX.bin (1: uint8, 2: uint16, 4: int32): the largest
+        vocabulary the writer expected (``token_dtype``)."""
+        with open(f"{self.prefix}.idx", "rb") as f:
+            return _DTYPE_SIZES[_IDX_HEADER.unpack(f.read(_IDX_HEADER.size))[2]]
+
+    def last_token(self, index: int) -> int:
+        """The last token id of sample ``index`` (reads one token)."""
+        index = int(index)
+        return int(self._tokens.get(index, offset=int(self.lengths[index]) - 1, length=1)[0])
+
     def __len__(self) -> int:
         return len(self.lengths)
 

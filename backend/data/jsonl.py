@@ -4,6 +4,11 @@
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "loss_weight": [0.0, 0.5, 0.5]}
 
 Any malformed line stops the load with an error naming the file and the line.
+
+With ``append_eod`` (data.append_eod, Megatron's --append-eod) every sample gets the tokenizer's
+end-of-document id after its last token, text and ``input_ids`` rows alike. The EOD is a
+prediction target: its loss mask and weight are those of the row's last token (1 without a mask),
+so a row whose tail is masked out keeps its EOD masked out too.
 """
 
 from __future__ import annotations
@@ -34,8 +39,25 @@ def _int_list(value, what: str, where: str, limit: int | None = None, hint: str 
     return arr
 
 
-def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[Sample]:
-    """Yield one Sample per non-blank line of ``path``."""
+def _append_eod(sample: Sample, eod_id: int) -> Sample:
+    """``sample`` with ``eod_id`` after its last token; mask and weight repeat the last token's."""
+
+    def extend(arr, value):
+        return np.append(arr, np.asarray([value], dtype=arr.dtype))
+
+    return Sample(
+        tokens=extend(sample.tokens, eod_id),
+        loss_mask=None if sample.loss_mask is None else extend(sample.loss_mask, sample.loss_mask[-1]),
+        loss_weight=None if sample.loss_weight is None else extend(sample.loss_weight, sample.loss_weight[-1]),
+    )
+
+
+def read_jsonl(path: str | Path, tokenizer, json_key: str = "text", *, append_eod: bool = False) -> Iterator[Sample]:
+    """Yield one Sample per non-blank line of ``path`` (each ending in the tokenizer's EOD id
+    when ``append_eod``; the tokenizer must then be built with one: ``build_tokenizer(..., eod=True)``)."""
+    eod_id = getattr(tokenizer, "eod_id", None)
+    if append_eod and eod_id is None:
+        raise ValueError(f"append_eod needs a tokenizer built with an end-of-document id ({tokenizer.name})")
     path = Path(path)
     vocab_hint = f" (the vocabulary of data.tokenizer={getattr(tokenizer, 'name', '?')})"
     # Bytes, decoded line by line: invalid UTF-8 then names its line instead of failing the file.
@@ -88,7 +110,8 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
                     weight = np.full(len(w), np.inf, dtype=np.float32)
                 if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
                     raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
-            yield Sample(tokens=tokens, loss_mask=mask, loss_weight=weight)
+            sample = Sample(tokens=tokens, loss_mask=mask, loss_weight=weight)
+            yield _append_eod(sample, eod_id) if append_eod else sample
 
 
 class InMemoryDataset:

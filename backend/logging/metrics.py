@@ -1,15 +1,24 @@
-"""Per-step metrics to the console (a progress line), ``metrics.jsonl`` and wandb (rank 0 only)."""
+"""Per-step metrics to the console (``console.ProgressDisplay``), ``metrics.jsonl`` and wandb (rank 0 only).
+
+``metrics.jsonl`` holds one JSON object a line: a training step's metrics (``step``, ``loss``, ...)
+or, for an evaluation, ``{"event": "eval", "step": N, "valid_loss": ..., ...}`` written after the
+row of the step it evaluated. ``read_metrics`` splits the two kinds.
+"""
 
 from __future__ import annotations
 
 import json
 import resource
-import sys
+import time
 from pathlib import Path
 
 import torch
 
 from backend.batching import StepPlan
+
+from .console import ProgressDisplay, format_eval_line, run_totals
+
+EVAL_EVENT = "eval"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -25,8 +34,28 @@ def plan_metrics(plan: StepPlan, dp_rank: int) -> dict:
     return {**plan.metrics(), "padding_efficiency_this_rank": plan.rank_padding_efficiencies()[dp_rank]}
 
 
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(training-step rows, evaluation rows) of a metrics.jsonl; other and unreadable lines are skipped."""
+    train, evals = [], []
+    path = Path(path)
+    if not path.is_file():
+        return train, evals
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # e.g. a last line cut by a kill
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        if row.get("event") == EVAL_EVENT:
+            evals.append(row)
+        elif "event" not in row:
+            train.append(row)
+    return train, evals
+
+
 class MetricsLogger:
-    """Writes one JSON object per step; prints a progress line; forwards to a wandb run if any."""
+    """Writes one JSON object per step; shows progress on the console; forwards to a wandb run if any."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, *, enabled: bool, wandb_run=None, log_interval: int = 1):
         """``wandb_run`` may also be attached later (the trainer does, once it knows the run id)."""
@@ -35,8 +64,18 @@ class MetricsLogger:
         self.wandb_run = wandb_run
         self.log_interval = log_interval
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.started = time.monotonic()
+        self.display: ProgressDisplay | None = None  # made at the first step (a resumed run's bar starts there)
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _display(self, done: int) -> ProgressDisplay:
+        """The progress display, made when first needed with ``done`` steps already behind it."""
+        if self.display is None:
+            self.display = ProgressDisplay(
+                self.total, start_step=done, log_interval=self.log_interval, started=self.started
+            )
+        return self.display
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -45,27 +84,26 @@ class MetricsLogger:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
-        step = metrics["step"]
-        if step % self.log_interval == 0 or step == self.total:
-            done = int(20 * step / max(1, self.total))
-            print(
-                f"[{'#' * done}{'.' * (20 - done)}] step {step}/{self.total} | loss {metrics['loss']:.4f} | "
-                f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['num_microbatches']} mbs | "
-                f"pad eff {metrics['padding_efficiency']:.3f} | {metrics['step_time_s']:.2f} s",
-                file=sys.stdout,
-                flush=True,
-            )
+        self._display(metrics["step"] - 1).update(metrics)
 
-    def log_eval(self, step: int, row: dict) -> None:
-        """A validation row ({"kind": "eval", "step", "valid_loss", ...}) in metrics.jsonl and wandb."""
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation after ``step``: ``metrics`` holds ``valid_loss`` (and e.g. ``valid_tokens``).
+        Written to metrics.jsonl as ``{"event": "eval", "step": step, ...}``, sent to wandb under
+        the same names and printed as one line."""
         if not self.enabled:
             return
-        row = {"kind": "eval", "step": step, **row}
+        row = {"event": EVAL_EVENT, "step": step, **metrics}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if isinstance(v, int | float) and k != "step"}, step=step)
-        print(
-            f"step {step}/{self.total} | valid_loss {row['valid_loss']:.4f} on {row['valid_tokens']:,} tokens",
-            flush=True,
-        )
+            self.wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+        self._display(step).print(format_eval_line(step, metrics))
+
+    def totals(self) -> dict:
+        """The run's totals so far from metrics.jsonl (``console.run_totals``), for the end summary."""
+        return run_totals(*read_metrics(self.path))
+
+    def close(self) -> None:
+        """Stop the progress display (it stops by itself after the last step)."""
+        if self.display is not None:
+            self.display.close()

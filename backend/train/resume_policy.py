@@ -11,8 +11,9 @@ Refused (the checkpoint would continue a different run):
 - ``model.*`` except ``model.attention_backend``: the architecture, vocabulary or initialisation
   of the checkpointed weights. The attention backend is an implementation of the same function
   (te, flex and sdpa agree to float rounding), so it may change, e.g. a CPU run resumed on a GPU.
-- ``data.path``, ``data.tokenizer``, ``data.json_key``, ``data.max_seq_length``, ``data.overlong``:
-  which samples exist and their tokens; the saved stream position would index other samples.
+- ``data.path``, ``data.tokenizer``, ``data.json_key``, ``data.max_seq_length``, ``data.overlong``,
+  ``data.append_eod``: which samples exist and their tokens; the saved stream position would index
+  other samples.
 - ``train.global_batch_size``, ``train.seed``: the window sampler's stream (windows are consecutive
   slices of seeded per-epoch permutations); ``WindowSampler.load_state_dict`` refuses them too.
 - ``parallel.context_parallel_size``: the CP layout of the plans and of the checkpoint.
@@ -63,6 +64,7 @@ _REFUSED_KEYS = {
     "data.json_key": "the text of every JSONL sample",
     "data.max_seq_length": "which samples exist and their lengths",
     "data.overlong": "which samples exist and their lengths",
+    "data.append_eod": "the tokens of every sample and the vocabulary",
     "train.global_batch_size": "the data stream (samples per window)",
     "train.seed": "the data stream (the sampler's permutations)",
     "parallel.context_parallel_size": "the context-parallel layout",

@@ -69,7 +69,7 @@ def test_training_logs_valid_loss_on_a_held_out_split(tmp_path):
     ]
     assert finish(start(run, "unused", overrides, nproc=1, torchrun=False)) == 0, logs(run)
     rows = metrics(run)
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    evals = [r for r in rows if r.get("event") == "eval"]
     assert [r["step"] for r in evals] == [2, 3]
     assert all(np.isfinite(r["valid_loss"]) and r["valid_tokens"] > 0 for r in evals)
     assert "valid_loss" in logs(run)
