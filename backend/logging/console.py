@@ -264,7 +264,7 @@ def format_startup_summary(info: dict) -> str:
     ``data_source``, ``lengths`` (a ``length_stats`` dict or a list of lengths),
     ``max_seq_length``, ``global_batch_size``, ``train_iters``, ``start_step`` (resumed from),
     ``batching`` (a dict: ``dynamic`` bool, ``max_tokens_per_gpu``, ``micro_batch_size``),
-    ``schedule`` (text), ``run_dir``.
+    ``schedule`` (text), ``run_dir``, ``validation`` (text).
     """
     rows: list[tuple[str, str]] = []
     model = info.get("model")
@@ -295,6 +295,8 @@ def format_startup_summary(info: dict) -> str:
     if info.get("max_seq_length"):
         data += f" (max_seq_length {info['max_seq_length']})"
     rows.append(("data", data))
+    if info.get("validation"):
+        rows.append(("validation", info["validation"]))
     batching = info.get("batching") or {}
     if batching:
         if batching.get("dynamic"):

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             wandb_run = start_wandb(cfg, env, run_id=trainer.wandb_run_id)
             trainer.attach_wandb(wandb_run)
             outcome = trainer.train()
+            trainer.end_summary(outcome)
             if wandb_run is not None:
                 wandb_run.finish()
         finally:

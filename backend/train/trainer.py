@@ -16,6 +16,7 @@ from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.data.split import build_train_and_valid, evaluation_ids
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
+from backend.logging.console import format_end_summary, format_startup_summary, length_stats
 from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
 from backend.model.factory import build_model
 
@@ -89,21 +90,63 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, cfg.train.train_iters, enabled=env.is_main, log_interval=cfg.logger.log_interval
         )
-        report = self.dataset.report
+        self.num_parameters = built.num_parameters
+        self.last_checkpoint: Path | None = None
         if env.is_main:
-            log.info(
-                "data: %d samples from %s (over-length: %d truncated, %d dropped); attention: %s; dp=%d cp=%d; %s",
-                len(self.dataset),
-                self.dataset.source,
-                report.truncated,
-                report.dropped,
-                self.backend,
-                env.dp_size,
-                env.cp_size,
-                f"dynamic batching, {cfg.train.max_tokens_per_gpu} tokens/GPU"
-                if cfg.train.dynamic_batch_enable
-                else f"fixed micro-batch size {cfg.train.micro_batch_size}",
+            log.info("%s", format_startup_summary(self.startup_info()))
+
+    def startup_info(self) -> dict:
+        """What the start-up summary shows: model, parallel layout, attention, data, batching, schedule."""
+        cfg, env, report = self.cfg, self.env, self.dataset.report
+        source = self.dataset.source
+        if report is not None and (report.truncated or report.dropped):
+            source += f" (over data.max_seq_length: {report.truncated} truncated, {report.dropped} dropped)"
+        validation = None
+        if self.valid is not None:
+            validation = (
+                f"{len(self.valid_ids)} samples of {self.valid.source} every {cfg.train.eval_interval} step(s)"
+                if cfg.train.eval_interval
+                else f"{self.valid.source} (train.eval_interval=0: never evaluated)"
             )
+        return {
+            "validation": validation,
+            "model": cfg.model.hf_checkpoint
+            if getattr(cfg.model, "hf_checkpoint", "")
+            else f"GPTModel {cfg.model.num_layers} layers x {cfg.model.hidden_size}",
+            "parameters": self.num_parameters,
+            "dp": env.dp_size,
+            "cp": env.cp_size,
+            "world_size": env.world_size,
+            "device": env.device.type,
+            "precision": cfg.train.precision,
+            "attention_backend": self.backend,
+            "data_source": source,
+            "lengths": length_stats(self.dataset.lengths),
+            "max_seq_length": cfg.data.max_seq_length,
+            "global_batch_size": cfg.train.global_batch_size,
+            "batching": {
+                "dynamic": cfg.train.dynamic_batch_enable,
+                "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu,
+                "micro_batch_size": cfg.train.micro_batch_size,
+            },
+            "train_iters": cfg.train.train_iters,
+            "start_step": self.step,
+            "schedule": f"{cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_iters}",
+            "run_dir": str(self.run_dir),
+        }
+
+    def end_summary(self, status: str) -> None:
+        """Steps, tokens, wall time, tokens/s, padding efficiency, valid loss, where the checkpoint is."""
+        self.metrics.close()
+        if self.env.is_main:
+            info = {
+                **self.metrics.totals(),
+                "status": status,
+                "wall_time_s": time.monotonic() - self.metrics.started,
+                "checkpoint": str(self.last_checkpoint or self.ckpt_dir),
+                "run_dir": str(self.run_dir),
+            }
+            log.info("%s", format_end_summary(info))
 
     def attach_wandb(self, run) -> None:
         """Send metrics to ``run`` too; its id is stored in checkpoints so a resume continues it."""
@@ -211,7 +254,7 @@ class Trainer:
             "wandb_run_id": self.wandb_run_id,
             "config": dataclasses.asdict(self.cfg),
         }
-        return save_checkpoint(
+        self.last_checkpoint = save_checkpoint(
             self.ckpt_dir,
             self.step,
             self.model,
@@ -221,3 +264,4 @@ class Trainer:
             extra=extra,
             keep_last=self.cfg.checkpoint.keep_last,
         )
+        return self.last_checkpoint
