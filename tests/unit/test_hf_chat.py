@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from backend.data.jsonl import DataFormatError  # noqa: E402
 from backend.data.chat import ChatRenderer, ChatTemplateError, read_chat_jsonl  # noqa: E402
+from backend.data.jsonl import DataFormatError  # noqa: E402
 
 PLAIN = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
