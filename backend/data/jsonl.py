@@ -2,6 +2,10 @@
 
     {"text": "..."}                                  tokenised with data.tokenizer
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "loss_weight": [0.0, 0.5, 0.5]}
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+``messages`` rows are rendered with the tokenizer directory's chat template (``chat.py``), the
+loss on assistant turns only; the renderer is passed in by the caller (it needs transformers).
 
 Any malformed line stops the load with an error naming the file and the line.
 """
@@ -34,8 +38,12 @@ def _int_list(value, what: str, where: str, limit: int | None = None, hint: str 
     return arr
 
 
-def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[Sample]:
-    """Yield one Sample per non-blank line of ``path``."""
+def read_jsonl(path: str | Path, tokenizer, json_key: str = "text", chat=None) -> Iterator[Sample]:
+    """Yield one Sample per non-blank line of ``path``.
+
+    ``chat``: a ``chat.ChatRenderer`` (or ``chat.LazyChatRenderer``) for ``messages`` rows; None
+    refuses them, naming the line and what to set.
+    """
     path = Path(path)
     vocab_hint = f" (the vocabulary of data.tokenizer={getattr(tokenizer, 'name', '?')})"
     # Bytes, decoded line by line: invalid UTF-8 then names its line instead of failing the file.
@@ -59,7 +67,18 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text") -> Iterator[
                 raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if "input_ids" in row:
+            if "messages" in row:
+                if chat is None:
+                    raise DataFormatError(
+                        f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --tokenizer) to a "
+                        f"Hugging Face tokenizer directory with one (data.tokenizer={getattr(tokenizer, 'name', '?')})"
+                    )
+                ids, chat_mask = chat.render(row["messages"], where)
+                tokens = np.asarray(ids, dtype=np.int64)
+                if "loss_mask" in row:
+                    raise DataFormatError(f"{where}: 'loss_mask' is derived from 'messages' (assistant turns only)")
+                row = {**row, "loss_mask": chat_mask}
+            elif "input_ids" in row:
                 tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, vocab_hint)
             elif json_key in row:
                 if not isinstance(row[json_key], str):

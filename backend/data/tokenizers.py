@@ -52,4 +52,6 @@ def build_tokenizer(spec: str):
     """``byte`` or the path of a tokenizer.json (or a folder holding one)."""
     if spec == "byte":
         return ByteTokenizer()
+    if spec == "auto":  # the config loader resolves it; reaching here means an unresolved config
+        raise TokenizerError("data.tokenizer=auto is resolved by backend.config.load_config; load the config with it")
     return HFTokenizer(spec)
