@@ -8,7 +8,7 @@ Writes config.json, model.safetensors (or model-0000i-of-0000N.safetensors + ind
 --max-shard-size) and the tokenizer / chat-template files of the run's model.hf_checkpoint (or
 data.tokenizer directory). ``AutoModelForCausalLM.from_pretrained(OUTPUT)`` loads it. --config
 defaults to the run's config.yaml two levels above the step directory (<run>/checkpoints/step_*).
-Overrides apply to that config, e.g. ``model.hf_checkpoint=`` when the imported checkpoint has
+Overrides apply to that config, e.g. ``model.hf_checkpoint=''`` when the imported checkpoint has
 moved (its architecture is in config.yaml; tokenizer files are then not copied).
 """
 

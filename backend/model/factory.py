@@ -50,6 +50,12 @@ def _meta_model(cfg, vocab: int, backend: str) -> torch.nn.Module:
         return build_gpt(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=0)
 
 
+def meta_model(cfg, *, tokenizer_vocab: int) -> torch.nn.Module:
+    """The unsharded model on the meta device: names, shapes and parameter counts with no memory
+    (Qwen3-4B builds in seconds on a laptop; its FP32 weights would need 16 GB)."""
+    return _meta_model(cfg, padded_vocab(cfg.model, tokenizer_vocab), "sdpa")
+
+
 def _check_no_buffers(model: torch.nn.Module) -> None:
     """``to_empty`` leaves buffers uninitialised, and a HF checkpoint does not hold ours. GPTModel
     with the local spec and our core attention has none (RoPE tables are computed per microbatch
