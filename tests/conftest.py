@@ -29,3 +29,19 @@ def tiny_hf(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("tiny_hf")
     return {kind: (root / kind, tiny_hf_model(kind, root / kind, tokenizer=True)) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-process gloo world and megatron-core parallel state for in-process model tests,
+    undone after the module (environment variables included)."""
+    import os
+
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+
+    saved = dict(os.environ)
+    env = init_distributed(1)
+    yield env
+    shutdown_distributed()
+    os.environ.clear()
+    os.environ.update(saved)

@@ -13,18 +13,6 @@ from backend.config import ConfigError, load_config, to_yaml, validate  # noqa: 
 from backend.config.load import explicit_keys  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def world():
-    import os
-
-    from backend.distributed.setup import init_distributed, shutdown_distributed
-
-    saved = dict(os.environ)
-    yield init_distributed(1)
-    shutdown_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 def _copy(tiny_hf, kind, dst):
     shutil.copytree(tiny_hf[kind][0], dst)

@@ -13,18 +13,6 @@ from backend.config import load_config, validate
 from tests.conftest import REPO
 
 
-@pytest.fixture(scope="module")
-def world():
-    import os
-
-    from backend.distributed.setup import init_distributed, shutdown_distributed
-
-    saved = dict(os.environ)
-    yield init_distributed(1)
-    shutdown_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 @pytest.mark.parametrize(
     "recipe,params,family,head_dim",
