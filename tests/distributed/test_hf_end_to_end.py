@@ -69,7 +69,8 @@ def _hf_logprobs(model, rows) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind,nproc,cp", [("qwen3", 2, 1), ("llama", 2, 2), ("qwen2", 2, 2)])
+# Qwen2 runs sharded over 2 ranks in test_hf_fsdp_load.py; each torchrun here costs ~15 s of CPU.
+@pytest.mark.parametrize("kind,nproc,cp", [("qwen3", 2, 1), ("llama", 2, 2)])
 def test_logprobs_tool_on_imported_model_matches_transformers(tmp_path, tiny_hf, kind, nproc, cp):
     hf_dir, hf = tiny_hf[kind]
     rows = _samples(tmp_path / "samples.jsonl")
@@ -159,7 +160,8 @@ def test_import_train_export_round_trip(tmp_path, tiny_hf, world):
 
 
 def test_compare_arms_on_imported_model(tmp_path, tiny_hf):
-    """Fixed versus dynamic microbatching from the imported weights agree (dp 2)."""
+    """Fixed versus dynamic microbatching from the imported weights agree (one process per arm:
+    sharded imports are covered above)."""
     hf_dir, _ = tiny_hf["qwen3"]
     data = _chat_data(tmp_path / "chat.jsonl")
     proc = _run(
@@ -172,7 +174,7 @@ def test_compare_arms_on_imported_model(tmp_path, tiny_hf):
             "--steps",
             "2",
             "--nproc",
-            "2",
+            "1",
             "--out-dir",
             str(tmp_path / "arms"),
             "--json",
