@@ -13,7 +13,6 @@ from backend.config import ConfigError, load_config, to_yaml, validate  # noqa: 
 from backend.config.load import explicit_keys  # noqa: E402
 
 
-
 def _copy(tiny_hf, kind, dst):
     shutil.copytree(tiny_hf[kind][0], dst)
     return dst

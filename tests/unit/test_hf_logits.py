@@ -26,7 +26,6 @@ from tests.helpers.hf_tiny import KINDS, build_from_hf, hf_logits, our_logits, r
 TOL = 1e-4
 
 
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_imported_logits_match_transformers(world, tiny_hf, kind):
     hf_dir, hf = tiny_hf[kind]

@@ -13,7 +13,6 @@ from backend.config import load_config, validate
 from tests.conftest import REPO
 
 
-
 @pytest.mark.parametrize(
     "recipe,params,family,head_dim",
     [("qwen3_4b_dynamic", 4_022_468_096, "qwen3", 128), ("llama31_8b_dynamic", 8_030_261_248, "llama", 128)],
