@@ -18,3 +18,30 @@ def embedded_cache(tmp_path_factory) -> str:
     cache = tmp_path_factory.mktemp("data_cache")
     build_embedded(cache)
     return str(cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> dict:
+    """{kind: (directory, transformers model)} for tiny random Qwen3, Llama and Qwen2 checkpoints
+    (safetensors + a tiny ChatML tokenizer), saved once per session."""
+    pytest.importorskip("transformers")
+    from tests.helpers.hf_tiny import KINDS, tiny_hf_model
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {kind: (root / kind, tiny_hf_model(kind, root / kind, tokenizer=True)) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-process gloo world and megatron-core parallel state for in-process model tests,
+    undone after the module (environment variables included)."""
+    import os
+
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+
+    saved = dict(os.environ)
+    env = init_distributed(1)
+    yield env
+    shutdown_distributed()
+    os.environ.clear()
+    os.environ.update(saved)

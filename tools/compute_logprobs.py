@@ -8,7 +8,9 @@
 Samples are planned under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu),
 spread over data-parallel ranks, right-padded, run, cropped, and written in input order: one line
 per sample, {"index": i, "logprobs": [log p(token t | tokens before t) for t = 1..n-1]}.
-Without --checkpoint the newest complete checkpoint in the config's checkpoint directory is used.
+Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
+else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
+the pickle-free loader (backend.train.safe_dcp).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from backend.config import ConfigError, checkpoint_dir, load_config, validate
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend.model.factory import build_model
     from backend.train.checkpoint import complete_checkpoints
     from backend.train.forward_only import compute_logprobs
+    from backend.train.safe_dcp import safe_load
 
     try:
         cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
@@ -56,15 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
     try:
-        model = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False).model
         ckpt = args.checkpoint
-        if ckpt is None:
+        if ckpt is None and not cfg.model.hf_checkpoint:
             found = complete_checkpoints(checkpoint_dir(cfg))
             ckpt = str(found[-1]) if found else None
+        built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False, empty=ckpt is not None)
+        model = built.model
         if ckpt is not None:
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=ckpt)  # model weights only; the optimizer state is not read
+            safe_load(state, ckpt)  # model weights only; the optimizer state is not read
             set_model_state_dict(model, state["model"])
+        elif cfg.model.hf_checkpoint:
+            ckpt = cfg.model.hf_checkpoint
         elif env.is_main:
             print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)

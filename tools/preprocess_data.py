@@ -4,7 +4,13 @@
     python tools/preprocess_data.py --input data.jsonl --output-prefix data/train --tokenizer byte
 
 Each line holds "text" (or --json-key) or "input_ids", and optionally per-token "loss_mask" and
-"loss_weight". A malformed line stops the run with its file and line number; nothing is written.
+"loss_weight"; or "messages" (role/content), rendered with the chat template of
+--chat-template-dir (default: the --tokenizer directory), with the loss on assistant turns only:
+
+    python tools/preprocess_data.py --input chat.jsonl --output-prefix data/chat --tokenizer checkpoints/Qwen3-4B
+
+A malformed line (or a role or template that fails) stops the run with its file and line number;
+nothing is written.
 
 --append-eod (Megatron's) ends every document with the tokenizer's end-of-document id, a target
 of the loss like any other token (its mask and weight repeat the document's last token's). For
@@ -22,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend.data.chat import LazyChatRenderer, chat_template_dir  # noqa: E402
 from backend.data.errors import DataError  # noqa: E402
 from backend.data.indexed import write_indexed  # noqa: E402
 from backend.data.jsonl import read_jsonl  # noqa: E402
@@ -32,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL file")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
+    p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a HF tokenizer directory")
+    p.add_argument("--chat-template-dir", help="HF tokenizer directory whose chat template renders 'messages' rows")
     p.add_argument("--json-key", default="text", help="field holding the text")
     p.add_argument(
         "--append-eod",
@@ -42,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         tokenizer = build_tokenizer(args.tokenizer, eod=args.append_eod)
-        samples = list(read_jsonl(args.input, tokenizer, args.json_key, append_eod=args.append_eod))
+        chat = LazyChatRenderer(args.chat_template_dir or chat_template_dir(args.tokenizer))
+        samples = list(read_jsonl(args.input, tokenizer, args.json_key, chat=chat, append_eod=args.append_eod))
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

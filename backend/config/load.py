@@ -66,24 +66,63 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictC
     return layers
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Build the resolved Config (not yet validated against a world size: see ``validate``)."""
-    cfg = OmegaConf.structured(Config)
-    OmegaConf.set_struct(cfg, True)
+def _layers(path, overrides: Sequence[str]) -> list[tuple[str, DictConfig]]:
+    """(source, layer) in merge order: the YAML files, then one layer per override."""
     layers = _read_yaml(Path(path)) if path is not None else []
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.train_iters=20")
         layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+    return layers
+
+
+def _leaf_keys(node, prefix: str = "") -> set[str]:
+    if not isinstance(node, DictConfig):
+        return {prefix}
+    out: set[str] = set()
+    for key in node.keys():
+        out |= _leaf_keys(node._get_node(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return out
+
+
+def explicit_keys(path: str | Path | None = None, overrides: Sequence[str] = ()) -> set[str]:
+    """The dotted keys the user set (in any YAML layer or override), defaults excluded.
+
+    ``model.hf_checkpoint`` needs them: an architecture key the user wrote must agree with the
+    checkpoint's config.json, while a schema default is simply replaced by the checkpoint's value.
+    """
+    return _explicit(_layers(path, overrides))
+
+
+def _explicit(layers: list[tuple[str, DictConfig]]) -> set[str]:
+    keys: set[str] = set()
+    for _, layer in layers:
+        keys |= _leaf_keys(layer)
+    return keys
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Build the resolved Config (not yet validated against a world size: see ``validate``).
+
+    Resolution (``resolve.resolve``) happens here, once: ``model.hf_checkpoint`` fills the
+    architecture from its config.json and ``data.tokenizer=auto`` becomes a concrete tokenizer, so
+    ``--print-config`` and the run's saved config.yaml show what is actually built.
+    """
+    from .resolve import resolve
+
+    cfg = OmegaConf.structured(Config)
+    OmegaConf.set_struct(cfg, True)
+    layers = _layers(path, overrides)
     for source, layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:
             raise _explain(e, source) from None
     try:
-        return OmegaConf.to_object(cfg)
+        resolved = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _explain(e, "config") from None
+    return resolve(resolved, _explicit(layers))
 
 
 def to_yaml(cfg: Config) -> str:

@@ -21,24 +21,90 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DP_WRAPPERS = ("fsdp",)
 
 
+ROPE_TYPES = ("none", "linear", "llama3", "yarn")
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling, as Hugging Face ``rope_scaling`` spells it (null = not set).
+
+    Llama 3.1 (``llama3``, factor 8, low 1, high 4, original 8192) slows the wavelengths above
+    8192 tokens 8x; YaRN also scales cos/sin by an attention factor (1.1386 for factor 4). Only
+    the keys of the chosen type are read; ``backend.model.hf.rope`` computes the frequencies
+    exactly as transformers does.
+    """
+
+    # none (plain RoPE), linear, llama3 or yarn.
+    rope_type: str = "none"
+    # Context extension factor (linear, llama3, yarn; yarn without it uses max positions / original).
+    factor: float | None = None
+    # llama3: wavelengths above original / low_freq_factor are divided by factor ...
+    low_freq_factor: float | None = None
+    # ... those below original / high_freq_factor are kept, the band between interpolated.
+    high_freq_factor: float | None = None
+    # The context the model was pretrained on (llama3, yarn).
+    original_max_position_embeddings: int | None = None
+    # yarn: the ramp between extrapolated and interpolated dimensions (transformers: 32 and 1).
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    # yarn: cos/sin multiplier; null derives it from factor (and mscale / mscale_all_dim).
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # yarn: round the ramp ends to whole dimensions (transformers' default true).
+    truncate: bool | None = None
+
+    def to_hf(self) -> dict | None:
+        """The HF ``rope_scaling`` dict (unset keys left out), or None for plain RoPE."""
+        if self.rope_type == "none":
+            return None
+        out = {"rope_type": self.rope_type}
+        out.update({k: v for k, v in vars(self).items() if k != "rope_type" and v is not None})
+        return out
+
+    @classmethod
+    def from_hf(cls, scaling: dict | None) -> RopeScalingConfig:
+        """From a HF ``rope_scaling`` dict (as ``backend.config.hf`` returns it) or None."""
+        if not scaling:
+            return cls()
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(scaling) - known)
+        if unknown:
+            raise ValueError(f"rope scaling keys {unknown} are not supported (known: {', '.join(sorted(known))})")
+        return cls(**scaling)
+
+
 @dataclass
 class ModelConfig:
-    """A Llama / Qwen3-style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention."""
+    """A Llama / Qwen3 / Qwen2-style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention."""
 
+    # A Hugging Face model directory (config.json + safetensors): it supplies the architecture
+    # (every key below that it defines; an explicit key that contradicts it is an error) and the
+    # weights. Empty: the architecture below, randomly initialised from train.seed.
+    hf_checkpoint: str = ""
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
     # Key/value heads for grouped-query attention; must divide num_attention_heads.
     num_query_groups: int = 2
+    # Size of one attention head; 0 means hidden_size / num_attention_heads (Qwen3-4B: 128, not 80).
+    head_dim: int = 0
     # SwiGLU inner size; 0 means 8/3 * hidden_size rounded up to a multiple of 64.
     ffn_hidden_size: int = 0
-    # 0 means "from the tokenizer" (padded up to a multiple of 128).
+    # 0 means "from the tokenizer" (padded up to a multiple of 128); imported models use the
+    # checkpoint's exactly.
     vocab_size: int = 0
     # Longest position RoPE is set up for; 0 means data.max_seq_length.
     max_position_embeddings: int = 0
-    rotary_base: int = 10000
+    # RoPE base (theta): 10000 classic, 1e6 Qwen3, 5e5 Llama 3.
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # RMSNorm epsilon: 1e-6 Qwen, 1e-5 Llama.
+    norm_epsilon: float = 1e-6
     # RMSNorm on queries and keys (Qwen3).
     qk_layernorm: bool = True
+    # Bias on the query/key/value projections only (Qwen2).
+    qkv_bias: bool = False
     init_method_std: float = 0.02
     # auto: te when Transformer Engine imports and CUDA is present, flex on CUDA, sdpa on CPU.
     attention_backend: str = "auto"
@@ -61,8 +127,9 @@ class DataConfig:
     # "embedded" (the standard library's source, built on first use), a JSONL file, or the
     # prefix of a Megatron .bin/.idx pair.
     path: str = "embedded"
-    # "byte" (built in, no files) or the path of a Hugging Face tokenizer.json.
-    tokenizer: str = "byte"
+    # auto: model.hf_checkpoint's tokenizer when that is set, else byte; "byte" (built in, no
+    # files); or the path of a Hugging Face tokenizer.json (or the directory holding one).
+    tokenizer: str = "auto"
     # The JSONL field holding text (token ids go under "input_ids" instead).
     json_key: str = "text"
     # Longest sample, in tokens; longer ones follow ``overlong``.

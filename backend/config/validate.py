@@ -11,6 +11,7 @@ from .schema import (
     DP_WRAPPERS,
     OVERLONG_POLICIES,
     PRECISIONS,
+    ROPE_TYPES,
     SCHEDULE_TYPES,
     WANDB_MODES,
     Config,
@@ -26,6 +27,13 @@ _CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "scheduler.type": SCHEDULE_TYPES,
     "scheduler.decay_style": DECAY_STYLES,
+    "model.rope_scaling.rope_type": ROPE_TYPES,
+}
+# Keys each scaled RoPE type reads without a default (as transformers indexes them).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
 }
 _POSITIVE = (
     "model.num_layers",
@@ -45,6 +53,7 @@ _NON_NEGATIVE = (
     "model.ffn_hidden_size",
     "model.vocab_size",
     "model.max_position_embeddings",
+    "model.head_dim",
     "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
     "train.dynamic_batch_max_shapes",
@@ -66,6 +75,30 @@ def get(cfg: Config, dotted: str):
     return node
 
 
+def _rope_errors(m) -> list[str]:
+    r = m.rope_scaling
+    if r.rope_type not in _ROPE_REQUIRED:
+        return []
+    errors = [
+        f"model.rope_scaling.{key}: must be set for model.rope_scaling.rope_type={r.rope_type}"
+        for key in _ROPE_REQUIRED[r.rope_type]
+        if getattr(r, key) is None
+    ]
+    if r.factor is not None and r.factor < 1:
+        errors.append(f"model.rope_scaling.factor={r.factor}: must be >= 1 (it extends the context)")
+    if r.rope_type == "llama3" and not errors and r.high_freq_factor <= r.low_freq_factor:
+        errors.append(
+            f"model.rope_scaling.high_freq_factor={r.high_freq_factor}: must exceed "
+            f"model.rope_scaling.low_freq_factor={r.low_freq_factor}"
+        )
+    if r.rope_type == "yarn" and r.factor is None and not m.max_position_embeddings:
+        errors.append(
+            "model.rope_scaling.factor: yarn without a factor derives it from model.max_position_embeddings, "
+            "which is 0: set one of them"
+        )
+    return errors
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Check the whole config for a world of ``world_size`` processes; raise one ConfigError."""
     errors: list[str] = []
@@ -79,16 +112,23 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         if get(cfg, key) < 0:
             errors.append(f"{key}={get(cfg, key)}: must be >= 0")
     m, t, o = cfg.model, cfg.train, cfg.optimizer
-    if m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+    if not m.head_dim and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         errors.append(
             f"model.hidden_size={m.hidden_size}: must be divisible by model.num_attention_heads={m.num_attention_heads}"
+            " (or set model.head_dim)"
         )
+    head_dim = m.head_dim or (m.hidden_size // max(1, m.num_attention_heads))
+    if head_dim % 2:
+        errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
+    errors += _rope_errors(m)
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
         )
     if not 0 <= cfg.data.valid_fraction < 1:
         errors.append(f"data.valid_fraction={cfg.data.valid_fraction}: must be in [0, 1)")
+    if not 0 < m.norm_epsilon < 1:
+        errors.append(f"model.norm_epsilon={m.norm_epsilon}: must be in (0, 1) (1e-6 Qwen, 1e-5 Llama)")
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr}: must be > 0")
     if not 0 <= o.min_lr <= o.lr:

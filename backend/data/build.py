@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .chat import LazyChatRenderer, chat_template_dir
 from .embedded import build_embedded
 from .errors import DataError, DataFileError, DataNotFoundError
 from .indexed import IndexedTokenDataset, indexed_exists, token_dtype
@@ -36,7 +37,8 @@ def build_dataset(data_cfg) -> tuple[LengthLimitedDataset, object]:
     elif path.endswith(".jsonl"):
         if not Path(path).is_file():
             raise DataNotFoundError(f"data.path: no such file {path}")
-        samples = list(read_jsonl(path, tokenizer, data_cfg.json_key, append_eod=append_eod))
+        chat = LazyChatRenderer(chat_template_dir(data_cfg.tokenizer))
+        samples = list(read_jsonl(path, tokenizer, data_cfg.json_key, chat=chat, append_eod=append_eod))
         if not samples:
             raise DataFileError(f"{path}: no samples (the file is empty or blank); point data.path at a data file")
         base = InMemoryDataset(samples, source=path)

@@ -154,6 +154,33 @@ def _check_messages(messages, where: str) -> None:
             raise DataFormatError(f"{where}: message {i} ({m['role']}) needs 'content' as a string")
 
 
+def chat_template_dir(tokenizer_spec: str) -> Path | None:
+    """The directory whose chat template goes with ``data.tokenizer`` (a directory, or the one
+    holding a tokenizer.json); None for the byte tokenizer."""
+    if tokenizer_spec in ("byte", "auto"):
+        return None
+    path = Path(tokenizer_spec)
+    return path if path.is_dir() else path.parent
+
+
+class LazyChatRenderer:
+    """A ChatRenderer made on the first ``messages`` row: plain-text data never needs transformers."""
+
+    def __init__(self, tokenizer_dir: str | Path | None):
+        self.dir = tokenizer_dir
+        self._renderer: ChatRenderer | None = None
+
+    def render(self, messages, where: str = "messages") -> tuple[list[int], list[int]]:
+        if self.dir is None:
+            raise DataFormatError(
+                f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --chat-template-dir) "
+                "to a Hugging Face tokenizer directory that has one"
+            )
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.dir)
+        return self._renderer.render(messages, where)
+
+
 def read_chat_jsonl(path: str | Path, renderer: ChatRenderer) -> Iterator[Sample]:
     """One Sample (tokens, loss_mask) per non-blank line of ``path``."""
     path = Path(path)

@@ -2,6 +2,10 @@
 
     {"text": "..."}                                  tokenised with data.tokenizer
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "loss_weight": [0.0, 0.5, 0.5]}
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+``messages`` rows are rendered with the tokenizer directory's chat template (``chat.py``), the
+loss on assistant turns only; the renderer is passed in by the caller (it needs transformers).
 
 Any malformed line stops the load with an error naming the file and the line.
 
@@ -52,9 +56,15 @@ def _append_eod(sample: Sample, eod_id: int) -> Sample:
     )
 
 
-def read_jsonl(path: str | Path, tokenizer, json_key: str = "text", *, append_eod: bool = False) -> Iterator[Sample]:
-    """Yield one Sample per non-blank line of ``path`` (each ending in the tokenizer's EOD id
-    when ``append_eod``; the tokenizer must then be built with one: ``build_tokenizer(..., eod=True)``)."""
+def read_jsonl(
+    path: str | Path, tokenizer, json_key: str = "text", chat=None, *, append_eod: bool = False
+) -> Iterator[Sample]:
+    """Yield one Sample per non-blank line of ``path``.
+
+    ``chat``: a ``chat.ChatRenderer`` (or ``chat.LazyChatRenderer``) for ``messages`` rows; None
+    refuses them, naming the line and what to set. ``append_eod``: each sample ends in the
+    tokenizer's EOD id (the tokenizer must be built with one: ``build_tokenizer(..., eod=True)``).
+    """
     eod_id = getattr(tokenizer, "eod_id", None)
     if append_eod and eod_id is None:
         raise ValueError(f"append_eod needs a tokenizer built with an end-of-document id ({tokenizer.name})")
@@ -81,7 +91,18 @@ def read_jsonl(path: str | Path, tokenizer, json_key: str = "text", *, append_eo
                 raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if "input_ids" in row:
+            if "messages" in row:
+                if chat is None:
+                    raise DataFormatError(
+                        f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --tokenizer) to a "
+                        f"Hugging Face tokenizer directory with one (data.tokenizer={getattr(tokenizer, 'name', '?')})"
+                    )
+                ids, chat_mask = chat.render(row["messages"], where)
+                tokens = np.asarray(ids, dtype=np.int64)
+                if "loss_mask" in row:
+                    raise DataFormatError(f"{where}: 'loss_mask' is derived from 'messages' (assistant turns only)")
+                row = {**row, "loss_mask": chat_mask}
+            elif "input_ids" in row:
                 tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, vocab_hint)
             elif json_key in row:
                 if not isinstance(row[json_key], str):

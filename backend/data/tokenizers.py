@@ -103,4 +103,6 @@ def build_tokenizer(spec: str, *, eod: bool = False):
     an end-of-document id (``eod_id``), as data.append_eod needs."""
     if spec == "byte":
         return ByteTokenizer(eod=eod)
+    if spec == "auto":  # the config loader resolves it; reaching here means an unresolved config
+        raise TokenizerError("data.tokenizer=auto is resolved by backend.config.load_config; load the config with it")
     return HFTokenizer(spec, eod=eod)

@@ -16,7 +16,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool) -> torch.nn.Module:
-    model.to(env.device)
+    """Shard every decoder layer and the whole model over the world. A model on the meta device
+    stays there (its shards get storage with ``to_empty`` afterwards); any other is moved first."""
+    if not any(p.is_meta for p in model.parameters()):
+        model.to(env.device)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()

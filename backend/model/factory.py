@@ -1,8 +1,17 @@
 """The one place a model is built: config -> megatron-core GPTModel -> FSDP2-wrapped, placed model.
 
-The trainer, every tool (log-probabilities, benchmarks, comparisons) and the tests call
-``build_model``; a new model source (a Hugging Face checkpoint, mixture-of-experts layers) is
-added here once instead of in each caller.
+The trainer, every tool (log-probabilities, benchmarks, comparisons, export) and the tests call
+``build_model``; a new model source is added here once instead of in each caller.
+
+Two sources of weights:
+
+- none (``model.hf_checkpoint`` empty): built on the CPU and initialised from ``train.seed``,
+  then sharded.
+- a Hugging Face checkpoint: built on the meta device (no storage), sharded by FSDP2, given
+  empty local shards (``to_empty``) and filled from the safetensors one parameter at a time,
+  each rank keeping its own slice. No rank ever holds a randomly initialised full model: for
+  Qwen3-4B that is 16 GB of FP32 per rank not allocated, and the peak extra host memory while
+  loading is one full parameter (the 0.78 GB embedding in FP32).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import torch
 from backend.distributed.fsdp import wrap_fsdp
 
 from .attention import resolve_backend
-from .builder import build_gpt, padded_vocab
+from .builder import build_gpt, model_fields, padded_vocab
+from .hf.load import load_hf_weights
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +40,73 @@ class BuiltModel:
     model: torch.nn.Module  # FSDP2-wrapped, on env.device
     attention_backend: str  # the resolved backend (never "auto")
     num_parameters: int  # before sharding
-    vocab_size: int  # the embedding's rows (the tokenizer's vocabulary, padded)
+    vocab_size: int  # the embedding's rows (the tokenizer's vocabulary, padded; an import's exactly)
     bf16: bool
+    fields: dict  # the architecture as backend.config.hf.FIELDS (what HF export writes)
 
 
-def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True) -> BuiltModel:
-    """Build, shard and place the model ``cfg`` describes. Same ``train.seed`` -> same weights.
+def _meta_model(cfg, vocab: int, backend: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_gpt(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=0)
+
+
+def meta_model(cfg, *, tokenizer_vocab: int) -> torch.nn.Module:
+    """The unsharded model on the meta device: names, shapes and parameter counts with no memory
+    (Qwen3-4B builds in seconds on a laptop; its FP32 weights would need 16 GB)."""
+    return _meta_model(cfg, padded_vocab(cfg.model, tokenizer_vocab), "sdpa")
+
+
+def _check_no_buffers(model: torch.nn.Module) -> None:
+    """``to_empty`` leaves buffers uninitialised, and a HF checkpoint does not hold ours. GPTModel
+    with the local spec and our core attention has none (RoPE tables are computed per microbatch
+    from the frozen ``Rope``); a module that adds one must be re-created here, not left garbage."""
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        raise RuntimeError(f"meta-device build has buffers that loading would leave uninitialised: {buffers[:5]}")
+
+
+def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty: bool = False) -> BuiltModel:
+    """Build, shard and place the model ``cfg`` describes, with its weights: from
+    ``model.hf_checkpoint`` when set, else from ``train.seed`` (same seed -> same weights).
 
     ``training=False`` (forward-only tools) admits backends without a backward (flex on CPU).
+    ``empty=True`` allocates the shards without initialising them, for a caller that fills every
+    parameter itself (from one of our checkpoints: export, log-probabilities of a trained model).
     """
     backend = resolve_backend(cfg.model.attention_backend, device=env.device, training=training)
     vocab = padded_vocab(cfg.model, tokenizer_vocab)
-    model = build_gpt(
-        cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=cfg.train.seed
-    )
-    num_parameters = sum(p.numel() for p in model.parameters())
+    fields = model_fields(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length)
     bf16 = use_bf16(cfg.train.precision, env.device)
-    return BuiltModel(wrap_fsdp(model, env, bf16=bf16), backend, num_parameters, vocab, bf16)
+    hf_dir = cfg.model.hf_checkpoint
+    if hf_dir or empty:
+        model = _meta_model(cfg, vocab, backend)
+        _check_no_buffers(model)
+        num_parameters = sum(p.numel() for p in model.parameters())
+        model = wrap_fsdp(model, env, bf16=bf16)
+        model.to_empty(device=env.device)
+        if empty:
+            source = "uninitialised (to be loaded by the caller)"
+        else:
+            load_hf_weights(model, hf_dir, fields)
+            source = f"weights from {hf_dir}"
+    else:
+        model = build_gpt(
+            cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=cfg.train.seed
+        )
+        num_parameters = sum(p.numel() for p in model.parameters())
+        model = wrap_fsdp(model, env, bf16=bf16)
+        source = f"initialised from train.seed={cfg.train.seed}"
+    if env.is_main:
+        log.info(
+            "model: %s parameters (%.3gB), %s layers, hidden %d, vocab %d, %s-style; %s; %s, %s",
+            f"{num_parameters:,}",
+            num_parameters / 1e9,
+            cfg.model.num_layers,
+            cfg.model.hidden_size,
+            vocab,
+            fields["model_type"] or "custom",
+            source,
+            "bf16" if bf16 else "fp32",
+            backend,
+        )
+    return BuiltModel(model, backend, num_parameters, vocab, bf16, fields)

@@ -1,6 +1,7 @@
-"""HF weights loaded one parameter at a time into an FSDP2-sharded GPTModel (2 gloo ranks).
+"""HF weights loaded through ``build_model`` into an FSDP2-sharded GPTModel (2 gloo ranks).
 
-Each rank reads the same safetensors file and keeps its own dim-0 shard of every parameter
+The model is built on the meta device, sharded, given empty shards and filled: each rank reads
+the same safetensors file and keeps its own dim-0 shard of every parameter
 (``distribute_tensor(..., src_data_rank=None)``, no communication); the sharded model's forward
 must then give transformers' logits.
 """
@@ -19,39 +20,30 @@ transformers = pytest.importorskip("transformers")
 KINDS = ("qwen3", "qwen2")  # tied embeddings + QK norm; QKV bias + YaRN
 
 
-def load_sharded(rank: int, world: int, hf_root: str, tokens: torch.Tensor, valid: torch.Tensor):
-    from backend.train.wrap import wrap_fsdp
-
+def load_sharded(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid: torch.Tensor):
     from backend.distributed.setup import init_distributed
-    from backend.model.hf.config import read_hf_config
-    from backend.model.hf.load import load_hf_weights
-    from tests.helpers.hf_tiny import build_megatron, megatron_logits
+    from tests.helpers.hf_tiny import build_from_hf, our_logits
 
     env = init_distributed(1)
     out = {}
-    for kind in KINDS:
-        hf_dir = f"{hf_root}/{kind}"
-        fields = read_hf_config(hf_dir)
-        model = wrap_fsdp(build_megatron(fields), env, bf16=False)
-        load_hf_weights(model, hf_dir, fields)
+    for kind, hf_dir in dirs.items():
+        model = build_from_hf(hf_dir, env).model
         emb = dict(model.named_parameters())["embedding.word_embeddings.weight"]
-        with torch.no_grad():
-            logits = megatron_logits(model, fields, tokens, valid)
-        out[kind] = {"logits": logits, "local_rows": emb.to_local().shape[0], "placements": str(emb.placements)}
+        out[kind] = {
+            "logits": our_logits(model, tokens, valid),
+            "local_rows": emb.to_local().shape[0],
+            "placements": str(emb.placements),
+        }
     return out
 
 
-def test_fsdp_sharded_load_matches_transformers(tmp_path):
-    from tests.helpers.hf_tiny import right_padded_batch, tiny_hf_model
+def test_fsdp_sharded_load_matches_transformers(tmp_path, tiny_hf):
+    from tests.helpers.hf_tiny import hf_logits, right_padded_batch
 
     tokens, valid = right_padded_batch()
-    refs = {}
-    for kind in KINDS:
-        hf = tiny_hf_model(kind, tmp_path / "hf" / kind)
-        with torch.no_grad():
-            refs[kind] = hf(input_ids=tokens, attention_mask=valid.long()).logits
-    (tmp_path / "ranks").mkdir()
-    results = run_ranks(load_sharded, 2, tmp_path / "ranks", str(tmp_path / "hf"), tokens, valid)
+    refs = {kind: hf_logits(tiny_hf[kind][1], tokens, valid) for kind in KINDS}
+    dirs = {kind: str(tiny_hf[kind][0]) for kind in KINDS}
+    results = run_ranks(load_sharded, 2, tmp_path, dirs, tokens, valid)
     for rank_result in results:
         for kind in KINDS:
             r = rank_result[kind]

@@ -1,21 +1,18 @@
-"""Tiny random Hugging Face models and a matching megatron-core GPTModel, for the HF tests.
+"""Tiny random Hugging Face models, and our model built from one through ``build_model``.
 
 Nothing is downloaded: models are built from configs with random weights and saved locally.
 Sizes: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 300; Qwen3 uses head_dim 32 so that
-head_dim != hidden / heads (16).
+head_dim != hidden / heads (16). A tiny byte-level BPE tokenizer (at most 300 ids, a ChatML
+chat template) can be saved beside the weights, for chat data and ``data.tokenizer=auto``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from backend.megatron_compat import import_megatron_module
-from backend.model.attention import AttentionContext, core_attention_spec
-from backend.model.hf.rope import cos_sin, inv_freq
-from backend.model.rope import Rope
+KINDS = ("qwen3", "llama", "qwen2")  # QK norm + tied + head_dim 32; llama3 RoPE + eps 1e-5; QKV bias + YaRN
 
 COMMON = dict(
     vocab_size=300,
@@ -25,6 +22,11 @@ COMMON = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=256,
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -79,7 +81,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(0.08 * torch.randn(p.shape, generator=g))
 
 
-def tiny_hf_model(kind: str, out_dir, seed: int = 0):
+def tiny_hf_model(kind: str, out_dir, seed: int = 0, *, tokenizer: bool = False):
     """(model in eval mode, FP32, eager attention) saved with save_pretrained to ``out_dir``."""
     import transformers
 
@@ -89,79 +91,65 @@ def tiny_hf_model(kind: str, out_dir, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     randomize(model, seed)
     model.save_pretrained(out_dir)
+    if tokenizer:
+        save_tiny_tokenizer(out_dir)
     return model
 
 
-@dataclass
-class RopeContext(AttentionContext):
-    """AttentionContext whose RoPE uses given inverse frequencies and attention factor (scaled RoPE)."""
+def save_tiny_tokenizer(out_dir, template: str = CHATML) -> Path:
+    """A byte-level BPE tokenizer (<= 300 ids) with ChatML specials and ``template`` in ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    inv_freq: torch.Tensor | None = None
-    attention_factor: float = 1.0
-
-    def rope(self, rope: Rope, dtype: torch.dtype):
-        key = ("rope", rope.head_dim, dtype)
-        if key not in self._cache:
-            cos, sin = cos_sin(self.positions.t(), self.inv_freq, self.attention_factor, dtype)  # [s, b, d]
-            self._cache[key] = (cos[:, :, None, :], sin[:, :, None, :])
-        return self._cache[key]
-
-
-def build_megatron(fields: dict, backend: str = "sdpa"):
-    """A GPTModel (local spec, FP32, CPU) with the architecture ``fields`` describe."""
-    tc = import_megatron_module("megatron.core.transformer")
-    gpt = import_megatron_module("megatron.core.models.gpt")
-    specs = import_megatron_module("megatron.core.models.gpt.gpt_layer_specs")
-    config = tc.TransformerConfig(
-        num_layers=fields["num_layers"],
-        hidden_size=fields["hidden_size"],
-        num_attention_heads=fields["num_attention_heads"],
-        num_query_groups=fields["num_query_groups"],
-        kv_channels=fields["head_dim"],
-        ffn_hidden_size=fields["ffn_hidden_size"],
-        normalization="RMSNorm",
-        layernorm_epsilon=fields["norm_epsilon"],
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=fields["qkv_bias"],
-        qk_layernorm=fields["qk_layernorm"],
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=fields["qk_layernorm"], normalization="RMSNorm")
-    rope = Rope(head_dim=fields["head_dim"], base=float(fields["rotary_base"]))  # RopeContext supplies the scaling
-    spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
-    return gpt.GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=fields["vocab_size"],
-        max_sequence_length=fields["max_position_embeddings"],
-        position_embedding_type="none",
-        share_embeddings_and_output_weights=fields["tie_embeddings"],
-    ).eval()
+    tok.train_from_iterator(["what is two plus two", "four", "assistant user system", "hello world"] * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    out = Path(out_dir)
+    fast.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(template)
+    return out
 
 
-def megatron_logits(model, fields: dict, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def hf_overrides(hf_dir, *extra: str) -> list[str]:
+    """Dotted overrides that build our model from ``hf_dir`` in FP32 with SDPA on the CPU."""
+    return [
+        f"model.hf_checkpoint={hf_dir}",
+        "model.attention_backend=sdpa",
+        "train.precision=fp32",
+        "data.max_seq_length=256",
+        "data.tokenizer=byte",
+        *extra,
+    ]
+
+
+def build_from_hf(hf_dir, env, *extra: str, training: bool = False):
+    """Our model (``build_model``, FSDP2 over ``env``'s world) with ``hf_dir``'s weights."""
+    from backend.config import load_config, validate
+    from backend.model.factory import build_model
+
+    cfg = validate(load_config(None, hf_overrides(hf_dir, *extra)), env.world_size)
+    return build_model(cfg, env, tokenizer_vocab=256, training=training)
+
+
+def our_logits(model, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[b, s, vocab] logits of a right-padded batch (positions 0.. per row)."""
+    from backend.model.attention import AttentionContext
+
     positions = torch.arange(tokens.shape[1])[None].expand_as(tokens).contiguous()
-    inv, factor = inv_freq(
-        fields["head_dim"],
-        fields["rotary_base"],
-        fields["rope_scaling"],
-        max_position_embeddings=fields["max_position_embeddings"],
-    )
-    ctx = RopeContext(positions=positions, valid=valid, inv_freq=inv, attention_factor=factor)
-    return model(tokens, positions, ctx)
+    with torch.no_grad():
+        return model(tokens, positions, AttentionContext(positions=positions, valid=valid))
+
+
+def hf_logits(model, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, attention_mask=valid.long()).logits
 
 
 def right_padded_batch(lengths=(17, 9, 30, 1), vocab=300, seed=0):

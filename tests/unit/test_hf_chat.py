@@ -143,3 +143,38 @@ def test_template_failures_name_the_template(tmp_path):
     (none / "chat_template.jinja").unlink()
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ChatRenderer(none)
+
+
+def test_messages_rows_in_training_data_and_preprocess(tmp_path):
+    """A JSONL with ``messages`` trains directly (data.path) and through tools/preprocess_data.py,
+    with the same tokens and assistant-only masks; a bad row names file and line."""
+    from types import SimpleNamespace
+
+    from backend.data.build import build_dataset
+    from backend.data.indexed import IndexedTokenDataset
+    from tests.helpers.hf_tiny import save_tiny_tokenizer
+    from tools.preprocess_data import main as preprocess
+
+    tok = save_tiny_tokenizer(tmp_path / "tok", PLAIN)
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"text": "hello world"}) + "\n")
+    data_cfg = SimpleNamespace(
+        tokenizer=str(tok), path=str(rows), json_key="text", max_seq_length=512, overlong="error", cache_dir=""
+    )
+    dataset, _ = build_dataset(data_cfg)
+    direct = dataset[0]
+    expected_ids, expected_mask = ChatRenderer(tok).render(CONVERSATION)
+    assert direct.tokens.tolist() == expected_ids and direct.loss_mask.tolist() == expected_mask
+    assert dataset[1].loss_mask is None  # plain text rows keep training on every token
+
+    assert preprocess(["--input", str(rows), "--output-prefix", str(tmp_path / "pre"), "--tokenizer", str(tok)]) == 0
+    indexed = IndexedTokenDataset(str(tmp_path / "pre"))  # kept alive: samples view its memory map
+    pre = indexed[0]
+    assert pre.tokens.tolist() == expected_ids and pre.loss_mask.tolist() == expected_mask
+
+    rows.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"messages": [{"role": "bot"}]}) + "\n")
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:2: message 0 has role 'bot'"):
+        build_dataset(data_cfg)
+    data_cfg.tokenizer = "byte"
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:1: a 'messages' row needs a chat template"):
+        build_dataset(data_cfg)

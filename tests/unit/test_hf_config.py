@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from backend.model.hf.config import (  # noqa: E402
+from backend.config.hf import (  # noqa: E402
     FIELDS,
     HFConfigError,
     check_against_explicit,

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from backend.model.hf.config import read_hf_config  # noqa: E402
+from backend.config.hf import read_hf_config  # noqa: E402
 from backend.model.hf.mapping import hf_to_megatron_names, ignorable_hf_names, megatron_to_hf  # noqa: E402
 from backend.model.hf.safetensors_io import HFCheckpoint, HFCheckpointError, write_sharded  # noqa: E402
 from tests.helpers.hf_tiny import tiny_hf_model  # noqa: E402

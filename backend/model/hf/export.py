@@ -1,6 +1,6 @@
 """Our model -> a Hugging Face directory: config.json, safetensors weights, tokenizer files.
 
-Pure conversion: it takes our model fields (``config.FIELDS``) and an iterable of
+Pure conversion: it takes our model fields (``backend.config.hf.FIELDS``) and an iterable of
 (megatron-core name, full tensor), so the caller decides how full tensors are gathered (one at a
 time from FSDP shards, or from a distributed checkpoint); nothing here imports training code.
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .config import SUPPORTED_MODEL_TYPES
+from backend.config.hf import SUPPORTED_MODEL_TYPES
+
 from .mapping import hf_to_megatron_names, megatron_to_hf
 from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, write_sharded
 

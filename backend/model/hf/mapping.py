@@ -44,6 +44,11 @@ class ParamMap:
     to_megatron: Callable[[Sequence[torch.Tensor]], torch.Tensor]
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
 
+    @property
+    def is_copy(self) -> bool:
+        """One HF tensor, unchanged: a loader may read just the rows its shard needs."""
+        return self.to_megatron is _copy_in
+
 
 def _copy_in(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return ts[0]

@@ -16,8 +16,7 @@ import math
 
 import torch
 
-#: rope_type values we reproduce; anything else (dynamic, longrope, ...) is refused by name.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from backend.config.hf import SUPPORTED_ROPE_TYPES
 
 
 def _default(head_dim: int, base: float) -> torch.Tensor:

@@ -99,6 +99,18 @@ class HFCheckpoint:
         self.consumed.add(name)
         return tensor
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one tensor, reading only those bytes; marks it consumed.
+
+        A rank filling its FSDP shard of the 151,936-row embedding reads its half, not the whole."""
+        path = self._where(name)
+        try:
+            tensor = self._handle(path).get_slice(name)[start:stop]
+        except Exception as e:
+            raise HFCheckpointError(f"{path}: cannot read rows {start}:{stop} of tensor {name!r}: {e}") from None
+        self.consumed.add(name)
+        return tensor
+
     def get_many(self, names: Iterable[str]) -> list[torch.Tensor]:
         return [self.get(n) for n in names]
 

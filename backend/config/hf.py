@@ -28,7 +28,8 @@ import json
 import math
 from pathlib import Path
 
-from .rope import SUPPORTED_ROPE_TYPES
+#: rope_type values ``backend.model.hf.rope`` reproduces; others (dynamic, longrope, ...) are refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: HF ``model_type`` values this backend imports and exports (gpt_oss will follow).
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")

@@ -1,0 +1,84 @@
+"""Resolve what a config leaves to be derived: the architecture of ``model.hf_checkpoint`` and
+``data.tokenizer=auto``. Runs once, inside ``load_config``, before validation.
+
+With ``model.hf_checkpoint: DIR`` the checkpoint's config.json is the architecture: every model
+key it defines (layers, widths, heads, head_dim, vocabulary, RoPE base and scaling, norm epsilon,
+QK norm, QKV bias, tied embeddings, max positions) is set from it. A key the user wrote (in any
+YAML layer or override) must agree, or the load stops naming both values: a recipe saying
+``hidden_size: 4096`` beside a checkpoint of 2560 is a mistake, not a preference. Keys left at
+their schema defaults are simply replaced, and 0 / null keep meaning "derive it".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .hf import HFConfigError, check_against_explicit, read_hf_config
+from .load import ConfigError
+from .schema import Config, RopeScalingConfig
+
+#: Our model keys that config.json determines (``backend.config.hf.FIELDS`` minus model_type).
+ARCHITECTURE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rotary_base",
+    "head_dim",
+    "norm_epsilon",
+    "qk_layernorm",
+    "qkv_bias",
+    "tie_embeddings",
+)
+
+
+def hf_architecture(hf_dir: str) -> tuple[dict, RopeScalingConfig]:
+    """(our model keys -> values, RoPE scaling) from ``hf_dir/config.json``; ConfigError if refused."""
+    try:
+        fields = read_hf_config(hf_dir)
+        scaling = RopeScalingConfig.from_hf(fields["rope_scaling"])
+    except (HFConfigError, ValueError) as e:
+        raise ConfigError(f"model.hf_checkpoint={hf_dir!r}: {e}") from None
+    return {k: fields[k] for k in ARCHITECTURE_KEYS}, scaling
+
+
+def _apply_hf_checkpoint(cfg: Config, explicit: set[str]) -> None:
+    m = cfg.model
+    if not Path(m.hf_checkpoint).is_dir():
+        raise ConfigError(f"model.hf_checkpoint={m.hf_checkpoint!r}: no such directory")
+    arch, scaling = hf_architecture(m.hf_checkpoint)
+    expected = dict(arch) | {f"rope_scaling.{k}": v for k, v in vars(scaling).items()}
+    given = {}
+    for key in sorted(k for k in explicit if k.removeprefix("model.") in expected and k.startswith("model.")):
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        given[key] = node
+    try:
+        check_against_explicit(expected, given, source=str(Path(m.hf_checkpoint) / "config.json"))
+    except HFConfigError as e:
+        raise ConfigError(str(e)) from None
+    for key, value in arch.items():
+        setattr(m, key, value)
+    m.rope_scaling = scaling
+
+
+def resolve(cfg: Config, explicit: set[str]) -> Config:
+    """Fill ``cfg`` in place from model.hf_checkpoint and decide data.tokenizer; returns it."""
+    if cfg.model.hf_checkpoint:
+        _apply_hf_checkpoint(cfg, explicit)
+    if cfg.data.tokenizer == "auto":
+        hf_dir = cfg.model.hf_checkpoint
+        if not hf_dir:
+            cfg.data.tokenizer = "byte"
+        elif (Path(hf_dir) / "tokenizer.json").is_file():
+            cfg.data.tokenizer = hf_dir
+        else:
+            raise ConfigError(
+                f"data.tokenizer=auto: model.hf_checkpoint={hf_dir!r} has no tokenizer.json; set data.tokenizer "
+                "(byte, or the path of a tokenizer.json) explicitly"
+            )
+    return cfg

@@ -1,0 +1,85 @@
+"""One of our checkpoints -> a Hugging Face directory that transformers loads with no custom code.
+
+A ``step_*`` directory holds the model (and optimizer) as a torch distributed checkpoint; the
+run's resolved ``config.yaml`` says what architecture it is. Export builds that model with
+``build_model(..., empty=True)`` in a world of one process (meta device, then empty shards: no
+random initialisation), loads only the model weights with the pickle-free ``safe_load``, then
+gathers one full parameter at a time and hands it to ``backend.model.hf.export``, which writes
+sharded safetensors, config.json and the tokenizer files.
+
+The Hugging Face family: an imported model goes back to its own (``model_type`` of
+``model.hf_checkpoint``'s config.json); a model trained from scratch goes to the family whose
+flags it has: qwen3 with QK norm, qwen2 with QKV bias, llama with neither (both: refused).
+Tokenizer and chat-template files come from ``model.hf_checkpoint``, else from the directory of
+``data.tokenizer`` when that is a tokenizer.json path; a byte-tokenizer run exports weights only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from backend.data.tokenizers import build_tokenizer
+from backend.model.factory import build_model
+from backend.model.hf.export import export_hf_dir
+from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+
+from .safe_dcp import safe_load
+
+log = logging.getLogger(__name__)
+
+
+def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked for)."""
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def _tokenizer_source(cfg) -> Path | None:
+    if cfg.model.hf_checkpoint and Path(cfg.model.hf_checkpoint).is_dir():
+        return Path(cfg.model.hf_checkpoint)
+    tok = cfg.data.tokenizer
+    if tok not in ("byte", "auto") and Path(tok).exists():
+        return Path(tok) if Path(tok).is_dir() else Path(tok).parent
+    return None
+
+
+def export_checkpoint(
+    step_dir: str | Path,
+    cfg,
+    out_dir: str | Path,
+    env,
+    *,
+    dtype: str = "bf16",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write ``step_dir``'s model as a HF directory in ``out_dir``; returns ``out_dir``."""
+    step_dir = Path(step_dir)
+    if not (step_dir / ".metadata").is_file():
+        raise FileNotFoundError(f"{step_dir}: not a complete checkpoint (no .metadata); pass a step_* directory")
+    vocab = cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
+    built = build_model(cfg, env, tokenizer_vocab=vocab, training=False, empty=True)
+    fields = dict(built.fields)
+    source = _tokenizer_source(cfg)
+    if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
+        fields["model_type"] = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())["model_type"]
+    if fields["model_type"] is None:
+        raise ValueError("model.qk_layernorm and model.qkv_bias are both set: no Hugging Face family has both")
+    state = {"model": get_model_state_dict(built.model)}
+    safe_load(state, step_dir)  # model weights only; the optimizer state in the checkpoint is not read
+    set_model_state_dict(built.model, state["model"])
+    out = export_hf_dir(
+        fields,
+        full_named_tensors(built.model),
+        out_dir,
+        dtype=dtype,
+        source_dir=source,
+        max_shard_bytes=max_shard_bytes,
+    )
+    log.info("exported %s as a %s model (%s) to %s", step_dir, fields["model_type"], dtype, out)
+    return out

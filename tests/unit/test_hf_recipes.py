@@ -1,0 +1,42 @@
+"""The real-model recipes describe Qwen3-4B and Llama 3.1 8B exactly (built on the meta device).
+
+The recipes name a Hugging Face directory users download; the test does not need it: clearing
+``model.hf_checkpoint`` leaves the recipe's explicit architecture keys, which must give the
+released models' parameter counts to the parameter (4,022,468,096 and 8,030,261,248).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.config import load_config, validate
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize(
+    "recipe,params,family,head_dim",
+    [("qwen3_4b_dynamic", 4_022_468_096, "qwen3", 128), ("llama31_8b_dynamic", 8_030_261_248, "llama", 128)],
+)
+def test_recipe_architecture_is_the_released_model(world, recipe, params, family, head_dim):
+    from backend.model.builder import model_family
+    from backend.model.factory import meta_model
+
+    cfg = validate(load_config(REPO / "configs" / f"{recipe}.yaml", ["model.hf_checkpoint=''"]), world_size=8)
+    assert cfg.data.tokenizer == "byte"  # auto without a checkpoint
+    model = meta_model(cfg, tokenizer_vocab=256)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert model_family(cfg.model) == family
+    core = next(m for m in model.modules() if hasattr(m, "rope_spec"))
+    assert core.head_dim == head_dim
+    if family == "llama":
+        scaling = dict(core.rope_spec.scaling)
+        assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+        assert scaling["original_max_position_embeddings"] == 8192
+
+
+def test_recipe_refuses_a_missing_checkpoint():
+    from backend.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.hf_checkpoint='checkpoints/Qwen3-4B': no such directory"):
+        load_config(REPO / "configs" / "qwen3_4b_dynamic.yaml")
