@@ -166,3 +166,25 @@ def test_apply_moe_compat_is_idempotent():
     assert apply_moe_compat() == first
     assert any(name.startswith("Router.gating") for name in first)
     assert any(name.startswith("SequentialMLP") for name in first)
+
+
+def test_gpt_oss_param_maps_name_every_megatron_parameter(world):
+    """The mapping's megatron-core names are the MoE GPTModel's, plus the sinks our core attention will hold."""
+    from backend.model.hf.gpt_oss import gpt_oss_fields, gpt_oss_param_maps
+
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,  # GPTModel's default: an output layer of its own
+    )
+    names = {pm.megatron for pm in gpt_oss_param_maps(gpt_oss_fields(cfg.to_dict()))}
+    ours = {n for n, _ in _moe_gpt().named_parameters()}
+    assert names - ours == {f"decoder.layers.{i}.self_attention.core_attention.softmax_offset" for i in range(2)}
+    assert ours <= names
