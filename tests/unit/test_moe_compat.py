@@ -1,0 +1,190 @@
+"""megatron-core 0.16.1 MoE layers train on CPU with ``apply_moe_compat`` and match GPT-OSS's MoE MLP.
+
+A tiny GPTModel (2 layers, 4 experts, top 2, biases everywhere, GPT-OSS's clamped SwiGLU) runs
+forward and backward on CPU in a one-process gloo world; one layer's MoE MLP, loaded with a
+transformers ``GptOssMLP``'s weights through ``backend.model.hf.gpt_oss``, gives its outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from backend.megatron_compat import import_megatron_module  # noqa: E402
+from backend.model.attention import AttentionContext, core_attention_spec  # noqa: E402
+from backend.model.hf.gpt_oss import deinterleave_gate_up, load_moe_mlp, stack_experts_to_hf  # noqa: E402
+from backend.model.moe_compat import apply_moe_compat, moe_config_kwargs  # noqa: E402
+from backend.model.rope import Rope  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOPK = 32, 48, 4, 2
+
+
+@pytest.fixture(scope="module")
+def world():
+    import os
+
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+
+    saved = dict(os.environ)
+    init_distributed(1)
+    yield
+    shutdown_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _moe_gpt(aux_loss_coeff=0.0, seed=0):
+    apply_moe_compat()
+    tc = import_megatron_module("megatron.core.transformer")
+    gpt = import_megatron_module("megatron.core.models.gpt")
+    specs = import_megatron_module("megatron.core.models.gpt.gpt_layer_specs")
+    config = tc.TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=INTER,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        moe_z_loss_coeff=1e-3 if aux_loss_coeff else None,
+        **moe_config_kwargs(num_experts=EXPERTS, topk=TOPK, moe_ffn_hidden_size=INTER, aux_loss_coeff=aux_loss_coeff),
+    )
+    spec = specs.get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = core_attention_spec("sdpa", Rope(head_dim=8))
+    torch.manual_seed(seed)
+    return gpt.GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=64,
+        max_sequence_length=64,
+        position_embedding_type="none",
+    )
+
+
+@pytest.mark.parametrize("aux_loss_coeff", [0.0, 1e-2])
+def test_moe_gpt_trains_on_cpu(world, aux_loss_coeff):
+    model = _moe_gpt(aux_loss_coeff)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 12), generator=g)
+    positions = torch.arange(12)[None].expand(2, 12).contiguous()
+    valid = positions < torch.tensor([[12], [7]])
+    ctx = AttentionContext(positions=positions, valid=valid)
+    losses = model(tokens, positions, ctx, labels=tokens, padding_mask=~valid)
+    loss = losses[valid].mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    for layer in range(2):
+        assert float(grads[f"decoder.layers.{layer}.mlp.router.weight"].abs().sum()) > 0
+        hit = [
+            float(grads[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc2.bias"].abs().sum()) > 0
+            for e in range(EXPERTS)
+        ]
+        assert sum(hit) >= TOPK  # 19 tokens, top 2 of 4: several experts receive gradient
+    assert float(grads["decoder.layers.0.self_attention.linear_proj.bias"].abs().sum()) > 0
+
+
+def _hf_mlp(seed=0):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = transformers.GptOssConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+    )
+    mlp = GptOssMLP(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            # gate/up pre-activations of several units exceed swiglu_limit 7; outputs stay O(1)
+            p.copy_((0.02 if "down_proj" in name else 0.5) * torch.randn(p.shape, generator=g))
+    return mlp
+
+
+def test_moe_mlp_matches_transformers_gpt_oss_mlp(world):
+    model = _moe_gpt().eval()
+    layer_mlp = model.decoder.layers[1].mlp
+    hf = _hf_mlp()
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    load_moe_mlp(layer_mlp, state)
+    g = torch.Generator().manual_seed(1)
+    x = 2.0 * torch.randn(2, 9, HIDDEN, generator=g)  # [b, s, h]
+    with torch.no_grad():
+        ref, _ = hf(x)
+        ours, bias = layer_mlp(x.transpose(0, 1).contiguous())  # megatron-core takes [s, b, h]
+        gate_up = x.reshape(-1, HIDDEN) @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
+    assert bias is None
+    diff = float((ours.transpose(0, 1) - ref).abs().max())
+    print(f"MoE MLP vs transformers GptOssMLP: max |diff| = {diff:.2e} (output scale {float(ref.abs().max()):.1f})")
+    assert diff <= 1e-5
+    assert float(gate_up.abs().max()) > 7.0  # the swiglu_limit clamp is exercised
+
+    # The mapping has teeth: without undoing GPT-OSS's gate/up interleave the output is wrong.
+    wrong = dict(state)
+    wrong["experts.gate_up_proj"] = deinterleave_gate_up(state["experts.gate_up_proj"])
+    wrong["experts.gate_up_proj_bias"] = deinterleave_gate_up(state["experts.gate_up_proj_bias"])
+    load_moe_mlp(layer_mlp, wrong)
+    with torch.no_grad():
+        bad, _ = layer_mlp(x.transpose(0, 1).contiguous())
+    assert float((bad.transpose(0, 1) - ref).abs().max()) > 1e-1
+
+    # Export is the inverse of import.
+    load_moe_mlp(layer_mlp, state)
+    experts = layer_mlp.experts.local_experts
+    back = stack_experts_to_hf(
+        [e.linear_fc1.weight for e in experts],
+        [e.linear_fc1.bias for e in experts],
+        [e.linear_fc2.weight for e in experts],
+        [e.linear_fc2.bias for e in experts],
+    )
+    for name, t in back.items():
+        assert torch.equal(t, state[f"experts.{name}"]), name
+
+
+def test_apply_moe_compat_is_idempotent():
+    first = apply_moe_compat()
+    assert apply_moe_compat() == first
+    assert any(name.startswith("Router.gating") for name in first)
+    assert any(name.startswith("SequentialMLP") for name in first)
+
+
+def test_gpt_oss_param_maps_name_every_megatron_parameter(world):
+    """The mapping's megatron-core names are the MoE GPTModel's, plus the sinks our core attention will hold."""
+    from backend.model.hf.gpt_oss import gpt_oss_fields, gpt_oss_param_maps
+
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,  # GPTModel's default: an output layer of its own
+    )
+    names = {pm.megatron for pm in gpt_oss_param_maps(gpt_oss_fields(cfg.to_dict()))}
+    ours = {n for n, _ in _moe_gpt().named_parameters()}
+    assert names - ours == {f"decoder.layers.{i}.self_attention.core_attention.softmax_offset" for i in range(2)}
+    assert ours <= names
