@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from backend.model.hf.config import HFConfigError  # noqa: E402
+from backend.config.hf import HFConfigError  # noqa: E402
 from backend.model.hf.gpt_oss import (  # noqa: E402
     GPT_OSS_20B,
     GPT_OSS_20B_PARAMETERS,

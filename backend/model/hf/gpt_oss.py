@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from .config import HFConfigError, _need, _rope
+from backend.config.hf import HFConfigError, _need, _rope
+
 from .mapping import ParamMap, _copy_in, _copy_out, _qkv_maps
 from .mxfp4 import dequantize_gpt_oss_expert
 
