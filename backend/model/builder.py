@@ -5,25 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backend.config.run_values import ffn_size, padded_vocab  # noqa: F401  (padded_vocab: re-exported)
 from backend.megatron_compat import import_megatron_module
 
 from .attention import AttentionContext, core_attention_spec
 from .rope import Rope
-
-
-def ffn_size(model_cfg) -> int:
-    if model_cfg.ffn_hidden_size:
-        return model_cfg.ffn_hidden_size
-    return -(-int(8 * model_cfg.hidden_size / 3) // 64) * 64
-
-
-def padded_vocab(model_cfg, tokenizer_vocab: int) -> int:
-    """model.vocab_size, or the tokenizer's rounded up to a multiple of 128 (GEMM-friendly)."""
-    if model_cfg.vocab_size:
-        if model_cfg.vocab_size < tokenizer_vocab:
-            raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is below the tokenizer's {tokenizer_vocab} ids")
-        return model_cfg.vocab_size
-    return -(-tokenizer_vocab // 128) * 128
 
 
 def head_dim(model_cfg) -> int:

@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
+        return run_main(lambda: print_resolved(cfg))
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -62,3 +61,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0
 
     return run_main(run)
+
+
+def print_resolved(cfg) -> int:
+    """The config as a run would resolve it on this machine (vocabulary from the tokenizer, sizes,
+    precision and attention backend for this device), without building anything."""
+    import torch
+
+    from backend.config.run_values import resolve_run_config
+    from backend.data.tokenizers import build_tokenizer
+    from backend.model.attention import resolve_backend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)
+    resolved = resolve_run_config(cfg, tokenizer_vocab=tokenizer.vocab_size, device_type=device.type)
+    logging.getLogger("backend.model.attention").setLevel(logging.WARNING)  # keep stdout pure YAML
+    backend = resolve_backend(cfg.model.attention_backend, device=device)
+    resolved.model.attention_backend = backend
+    print(to_yaml(resolved), end="")
+    return 0

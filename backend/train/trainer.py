@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from backend.config import Config, checkpoint_dir, save_config
+from backend.config.run_values import resolve_run_config
 from backend.data.build import build_dataset
 from backend.data.errors import DataError
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
@@ -41,7 +42,6 @@ class Trainer:
         world = describe_world(env)
         check_world_matches_allocation(world)
         if env.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
             (self.run_dir / "world.json").write_text(json.dumps(world, indent=1))
             log.info(
                 "world: %d ranks on %d node(s): %s",
@@ -62,6 +62,13 @@ class Trainer:
             )
         built = build_model(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
         self.model, self.backend = built.model, built.attention_backend
+        # From here on the config says what the run uses (vocab_size, ffn size, precision, ...).
+        resolved = resolve_run_config(cfg, tokenizer_vocab=self.tokenizer.vocab_size, device_type=env.device.type)
+        self.cfg = cfg = dataclasses.replace(
+            resolved, model=dataclasses.replace(resolved.model, attention_backend=self.backend)
+        )
+        if env.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from backend.config import ConfigError, load_config, save_config, to_yaml, validate
@@ -97,3 +99,27 @@ def test_dynamic_batching_does_not_need_divisible_batches():
         None, ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=512", "train.global_batch_size=7"]
     )
     validate(cfg, world_size=4)
+
+
+def test_print_config_shows_the_values_the_run_uses():
+    import subprocess
+    import sys
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "backend.train", str(repo / "configs" / "quickstart.yaml"), "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    model, train = cfg["model"], cfg["train"]
+    assert model["vocab_size"] == 256 and model["ffn_hidden_size"] == 384 and model["head_dim"] == 32
+    assert model["max_position_embeddings"] == cfg["data"]["max_seq_length"] == 1024
+    assert model["attention_backend"] in ("sdpa", "flex", "te") and train["precision"] in ("fp32", "bf16")
+    assert cfg["data"]["tokenizer"] == "byte" and cfg["checkpoint"]["dir"] == "runs/quickstart/checkpoints"
+    assert train["forward_max_tokens_per_gpu"] == train["max_tokens_per_gpu"] == 8192
