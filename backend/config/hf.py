@@ -31,8 +31,8 @@ from pathlib import Path
 #: rope_type values ``backend.model.hf.rope`` reproduces; others (dynamic, longrope, ...) are refused.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-#: HF ``model_type`` values this backend imports and exports (gpt_oss will follow).
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+#: HF ``model_type`` values this backend imports and exports.
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "gpt_oss")
 
 #: Our model fields, in the order ``read_hf_config`` returns them.
 FIELDS = (
@@ -127,9 +127,93 @@ def _rope(cfg: dict, source: str) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+#: GPT-OSS-only fields ``gpt_oss_fields`` adds to ``config.FIELDS``.
+GPT_OSS_FIELDS = (
+    "attention_bias",
+    "attention_sinks",
+    "sliding_window",
+    "window_attn_skip_freq",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "router_aux_loss_coef",
+)
+
+
+def gpt_oss_fields(cfg: dict, source: str = "config.json") -> dict:
+    """Our model fields from a GPT-OSS config.json dict (``config.FIELDS`` + ``GPT_OSS_FIELDS``).
+
+    ``layer_types`` becomes megatron-core's ``window_attn_skip_freq`` as a per-layer list (1 =
+    sliding window of ``sliding_window`` keys, 0 = full); ``window_size`` for megatron-core is
+    ``(sliding_window - 1, 0)``. A ``quantization_config`` of ``quant_method: mxfp4`` is accepted
+    (the loader dequantises experts with ``mxfp4``); any other quantisation is refused.
+    """
+    if cfg.get("model_type") != "gpt_oss":
+        raise HFConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not gpt_oss")
+    quant = cfg.get("quantization_config")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise HFConfigError(f"{source}: quantization {quant.get('quant_method')!r} is not supported (mxfp4 only)")
+    if cfg.get("attention_dropout", 0.0) not in (0, 0.0, None):
+        raise HFConfigError(f"{source}: 'attention_dropout' must be 0 (training applies no attention dropout)")
+    if not cfg.get("attention_bias", True):
+        raise HFConfigError(f"{source}: 'attention_bias' = false is not supported (GPT-OSS biases q, k, v and o)")
+    layers = _need(cfg, "num_hidden_layers", source)
+    hidden = _need(cfg, "hidden_size", source)
+    heads = _need(cfg, "num_attention_heads", source)
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise HFConfigError(f"{source}: 'num_key_value_heads' = {kv} must divide 'num_attention_heads' = {heads}")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+    ]
+    if len(layer_types) != layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise HFConfigError(f"{source}: 'layer_types' must list sliding_attention/full_attention for each layer")
+    window = cfg.get("sliding_window") or 0
+    if "sliding_attention" in layer_types and window <= 0:
+        raise HFConfigError(f"{source}: sliding_attention layers need a positive 'sliding_window'")
+    experts = _need(cfg, "num_local_experts", source)
+    topk = _need(cfg, "num_experts_per_tok", source)
+    if topk > experts:
+        raise HFConfigError(f"{source}: 'num_experts_per_tok' = {topk} exceeds 'num_local_experts' = {experts}")
+    theta, scaling = _rope(cfg, source)
+    inter = _need(cfg, "intermediate_size", source)
+    return {
+        "model_type": "gpt_oss",
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": kv,
+        "ffn_hidden_size": inter,
+        "vocab_size": _need(cfg, "vocab_size", source),
+        "max_position_embeddings": _need(cfg, "max_position_embeddings", source),
+        "rotary_base": theta,
+        "head_dim": head_dim,
+        "norm_epsilon": float(_need(cfg, "rms_norm_eps", source, float)),
+        "qk_layernorm": False,
+        "qkv_bias": True,
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "rope_scaling": scaling,
+        "attention_bias": True,
+        "attention_sinks": True,
+        "sliding_window": int(window),
+        "window_attn_skip_freq": [1 if t == "sliding_attention" else 0 for t in layer_types],
+        "num_moe_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": inter,
+        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+        "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0)),
+    }
+
+
 def fields_from_hf(cfg: dict, source: str = "config.json") -> dict:
     """Translate a parsed config.json; ``source`` names the file in errors."""
     model_type = cfg.get("model_type")
+    if model_type == "gpt_oss":
+        return gpt_oss_fields(cfg, source)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFConfigError(
             f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"

@@ -33,6 +33,19 @@ ARCHITECTURE_KEYS = (
     "qkv_bias",
     "tie_embeddings",
 )
+#: GPT-OSS keys config.json also determines (``backend.config.hf.GPT_OSS_FIELDS`` that are architecture;
+#: ``router_aux_loss_coef`` is a training choice, model.moe_aux_loss_coeff, and is not taken from it).
+GPT_OSS_ARCHITECTURE_KEYS = (
+    "attention_bias",
+    "attention_sinks",
+    "sliding_window",
+    "window_attn_skip_freq",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "swiglu_alpha",
+    "swiglu_limit",
+)
 
 
 def hf_architecture(hf_dir: str) -> tuple[dict, RopeScalingConfig]:
@@ -42,7 +55,8 @@ def hf_architecture(hf_dir: str) -> tuple[dict, RopeScalingConfig]:
         scaling = RopeScalingConfig.from_hf(fields["rope_scaling"])
     except (HFConfigError, ValueError) as e:
         raise ConfigError(f"model.hf_checkpoint={hf_dir!r}: {e}") from None
-    return {k: fields[k] for k in ARCHITECTURE_KEYS}, scaling
+    keys = ARCHITECTURE_KEYS + (GPT_OSS_ARCHITECTURE_KEYS if fields["model_type"] == "gpt_oss" else ())
+    return {k: fields[k] for k in keys}, scaling
 
 
 def _apply_hf_checkpoint(cfg: Config, explicit: set[str]) -> None:
@@ -62,7 +76,7 @@ def _apply_hf_checkpoint(cfg: Config, explicit: set[str]) -> None:
     except HFConfigError as e:
         raise ConfigError(str(e)) from None
     for key, value in arch.items():
-        setattr(m, key, value)
+        setattr(m, key, list(value) if isinstance(value, list) else value)
     m.rope_scaling = scaling
 
 

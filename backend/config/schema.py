@@ -110,6 +110,28 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Tie input embedding and output layer weights.
     tie_embeddings: bool = True
+    # ---- GPT-OSS-style attention and mixture of experts (all off by default) ----
+    # Bias on q, k, v AND o_proj (GPT-OSS); megatron-core then biases the MLP / expert projections too.
+    attention_bias: bool = False
+    # One learnable logit per query head that takes softmax mass and adds nothing (GPT-OSS sinks).
+    attention_sinks: bool = False
+    # Sliding-window attention of W keys (the query included); 0 = full causal everywhere.
+    sliding_window: int = 0
+    # Which layers use the window: one 1 (sliding) / 0 (full) per layer; empty = every layer.
+    # GPT-OSS alternates [1, 0, 1, 0, ...] (HF layer_types sliding_attention / full_attention).
+    window_attn_skip_freq: list[int] = field(default_factory=list)
+    # Experts per MoE layer; 0 = dense SwiGLU MLP. Experts are megatron-core SequentialMLP.
+    num_moe_experts: int = 0
+    # Experts each token is routed to (top-k over router logits, softmax over the k).
+    moe_router_topk: int = 2
+    # Each expert's inner size; 0 means model.ffn_hidden_size.
+    moe_ffn_hidden_size: int = 0
+    # Load-balancing loss weight (per-sequence switch loss, averaged over the window's samples;
+    # see backend.model.moe_stats); 0 = off (GPT-OSS' router_aux_loss_coef is 0.9).
+    moe_aux_loss_coeff: float = 0.0
+    # GPT-OSS expert activation: (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=L).
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
 
 @dataclass

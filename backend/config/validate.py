@@ -54,6 +54,10 @@ _NON_NEGATIVE = (
     "model.vocab_size",
     "model.max_position_embeddings",
     "model.head_dim",
+    "model.sliding_window",
+    "model.num_moe_experts",
+    "model.moe_ffn_hidden_size",
+    "model.moe_aux_loss_coeff",
     "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
     "train.dynamic_batch_max_shapes",
@@ -99,6 +103,34 @@ def _rope_errors(m) -> list[str]:
     return errors
 
 
+def _moe_attention_errors(m) -> list[str]:
+    """GPT-OSS keys: experts and top-k, the per-layer window list, kernels that carry sinks/windows."""
+    errors = []
+    if m.num_moe_experts:
+        if not 1 <= m.moe_router_topk <= m.num_moe_experts:
+            errors.append(
+                f"model.moe_router_topk={m.moe_router_topk}: must be in [1, model.num_moe_experts={m.num_moe_experts}]"
+            )
+        if m.swiglu_limit is not None and m.swiglu_limit <= 0:
+            errors.append(f"model.swiglu_limit={m.swiglu_limit}: must be > 0 (or null for no clamp)")
+    elif m.moe_aux_loss_coeff:
+        errors.append("model.moe_aux_loss_coeff: needs model.num_moe_experts > 0")
+    flags = list(m.window_attn_skip_freq)
+    if flags and len(flags) != m.num_layers:
+        errors.append(f"model.window_attn_skip_freq: {len(flags)} entries, one per layer needed ({m.num_layers})")
+    if flags and set(flags) - {0, 1}:
+        errors.append("model.window_attn_skip_freq: entries must be 1 (sliding) or 0 (full)")
+    if flags and not m.sliding_window:
+        errors.append("model.window_attn_skip_freq: set model.sliding_window (the window's size) too")
+    if m.attention_sinks or m.sliding_window:
+        what = "model.attention_sinks" if m.attention_sinks else "model.sliding_window"
+        if m.attention_backend == "te":
+            errors.append(f"{what}: model.attention_backend=te does not carry sinks/windows yet (use flex or sdpa)")
+        if getattr(m, "attention_layout", "padded") != "padded":
+            errors.append(f"{what}: only the padded attention layout carries sinks/windows for now")
+    return errors
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Check the whole config for a world of ``world_size`` processes; raise one ConfigError."""
     errors: list[str] = []
@@ -121,6 +153,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if head_dim % 2:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
+    errors += _moe_attention_errors(m)
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"

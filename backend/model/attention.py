@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from backend.config.schema import ATTENTION_KERNELS
 from backend.megatron_compat import import_megatron_module, te_status
 
+from . import sinks_windows
 from .rope import Rope
+from .sinks_windows import layer_window
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +171,13 @@ def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
 _KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel}
 
 
-def resolve_backend(name: str, *, device: torch.device, training: bool = True) -> str:
+def resolve_backend(name: str, *, device: torch.device, training: bool = True, sinks_or_windows: bool = False) -> str:
     """The backend to use for ``model.attention_backend``; ``auto`` picks and logs, never silently."""
     te_ok, te_why = te_status()
     if name == "auto":
-        if device.type == "cuda" and te_ok:
+        if device.type == "cuda" and sinks_or_windows:
+            choice, why = "flex", "CUDA, and attention sinks / sliding windows (not wired for te)"
+        elif device.type == "cuda" and te_ok:
             choice, why = "te", "CUDA and Transformer Engine are available"
         elif device.type == "cuda":
             choice, why = "flex", f"CUDA without Transformer Engine ({te_why})"
@@ -220,7 +224,16 @@ def core_attention_class(backend: str) -> type:
             self.head_dim = config.kv_channels
             self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
             self.rope_spec = rope
-            if backend == "te":
+            # GPT-OSS: a sliding window on this layer (0 = full) and learnable sinks (HF ``sinks``).
+            self.window = layer_window(config.window_size, config.window_attn_skip_freq, layer_number)
+            self.softmax_offset = None
+            if getattr(config, "softmax_type", "vanilla") == "learnable":
+                self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads))
+            if self.window or self.softmax_offset is not None:
+                if backend == "te":
+                    raise ValueError("attention sinks / sliding windows are not wired for te (use flex or sdpa)")
+                self.kernel = functools.partial(sinks_windows.KERNELS[backend], window=self.window)
+            elif backend == "te":
                 self.te_attention, self.kernel = te_kernel_factory(
                     self.num_heads, self.num_kv, self.head_dim, self.scale
                 )
@@ -241,7 +254,10 @@ def core_attention_class(backend: str) -> type:
             key, value = gather_cp(key, ctx.cp_group), gather_cp(value, ctx.cp_group)
             # [s, b, h, d] -> [b, h, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = self.kernel(q, k, v, ctx, self.scale)
+            if self.softmax_offset is not None:
+                out = self.kernel(q, k, v, ctx, self.scale, sinks=self.softmax_offset)
+            else:
+                out = self.kernel(q, k, v, ctx, self.scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     CoreAttention.__name__ = CoreAttention.__qualname__ = f"{backend.capitalize()}CoreAttention"

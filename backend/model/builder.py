@@ -1,4 +1,12 @@
-"""Build megatron-core's ``GPTModel`` (Llama / Qwen3 / Qwen2 style) with our core attention."""
+"""Build megatron-core's ``GPTModel`` (Llama / Qwen3 / Qwen2 / GPT-OSS style) with our core attention.
+
+GPT-OSS (``model.num_moe_experts`` > 0, ``attention_sinks``, ``sliding_window``): megatron-core's
+MoE layer on its CPU-safe path (``moe_compat``: TopKRouter, allgather dispatcher, SequentialMLP
+experts with biases and the clamped SwiGLU), ``softmax_type="learnable"`` (our core attention
+holds the sinks as ``softmax_offset``), ``window_size=(W - 1, 0)`` with a per-layer
+``window_attn_skip_freq`` list. megatron-core's own load-balancing loss is off: the aux loss is
+ours, per sequence and normalised per window (``moe_stats``), so fixed and dynamic plans agree.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +25,24 @@ def head_dim(model_cfg) -> int:
     return model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_attention_heads
 
 
+def is_gpt_oss(model_cfg) -> bool:
+    """Experts, sinks, windows or o_proj biases: only the gpt_oss family expresses them."""
+    return bool(
+        model_cfg.num_moe_experts or model_cfg.attention_sinks or model_cfg.sliding_window or model_cfg.attention_bias
+    )
+
+
+def layer_flags(model_cfg) -> list[int]:
+    """1 (sliding) / 0 (full) per layer; every layer slides when the list is empty."""
+    return list(model_cfg.window_attn_skip_freq) or [1] * model_cfg.num_layers
+
+
 def model_family(model_cfg) -> str | None:
     """The Hugging Face family that expresses this architecture: qwen3 (QK norm), qwen2 (QKV bias),
     else llama. Import sets exactly these flags per family, so an imported model maps back to its
     own family; one with both QK norm and QKV bias has no HF counterpart (None)."""
+    if is_gpt_oss(model_cfg):
+        return "gpt_oss"
     if model_cfg.qk_layernorm and model_cfg.qkv_bias:
         return None
     return "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama"
@@ -28,7 +50,7 @@ def model_family(model_cfg) -> str | None:
 
 def model_fields(model_cfg, *, vocab_size: int, max_seq_length: int) -> dict:
     """Our resolved model as ``backend.config.hf.FIELDS`` (what the HF mapping, load and export read)."""
-    return {
+    fields = {
         "model_type": model_family(model_cfg),
         "num_layers": model_cfg.num_layers,
         "hidden_size": model_cfg.hidden_size,
@@ -45,6 +67,20 @@ def model_fields(model_cfg, *, vocab_size: int, max_seq_length: int) -> dict:
         "tie_embeddings": model_cfg.tie_embeddings,
         "rope_scaling": model_cfg.rope_scaling.to_hf(),
     }
+    if is_gpt_oss(model_cfg):
+        fields.update(
+            attention_bias=model_cfg.attention_bias,
+            attention_sinks=model_cfg.attention_sinks,
+            sliding_window=model_cfg.sliding_window,
+            window_attn_skip_freq=layer_flags(model_cfg),
+            num_moe_experts=model_cfg.num_moe_experts,
+            moe_router_topk=model_cfg.moe_router_topk,
+            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or ffn_size(model_cfg),
+            swiglu_alpha=float(model_cfg.swiglu_alpha),
+            swiglu_limit=float(model_cfg.swiglu_limit),
+            router_aux_loss_coef=float(model_cfg.moe_aux_loss_coeff),
+        )
+    return fields
 
 
 def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, seed: int):
@@ -57,6 +93,34 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
     te_cfg = import_megatron_module("megatron.core.transformer")
     gpt = import_megatron_module("megatron.core.models.gpt")
     specs = import_megatron_module("megatron.core.models.gpt.gpt_layer_specs")
+    kwargs = dict(
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_cfg.qkv_bias,
+        bias_activation_fusion=False,
+    )
+    experts = model_cfg.num_moe_experts
+    if experts:
+        from .moe_compat import apply_moe_compat, moe_config_kwargs
+
+        apply_moe_compat()
+        kwargs |= moe_config_kwargs(
+            num_experts=experts,
+            topk=model_cfg.moe_router_topk,
+            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or ffn_size(model_cfg),
+            swiglu_limit=model_cfg.swiglu_limit,
+            swiglu_alpha=model_cfg.swiglu_alpha,
+            aux_loss_coeff=0.0,  # ours instead (moe_stats): per sequence, normalised per window
+        )
+    if model_cfg.attention_bias:
+        if not experts:
+            raise ValueError("model.attention_bias without experts: megatron-core would bias the dense MLP too")
+        kwargs |= dict(add_bias_linear=True, add_qkv_bias=True)
+    if model_cfg.attention_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if model_cfg.sliding_window:
+        kwargs |= dict(window_size=(model_cfg.sliding_window - 1, 0), window_attn_skip_freq=layer_flags(model_cfg))
     config = te_cfg.TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
@@ -66,10 +130,6 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         kv_channels=head_dim(model_cfg),
         normalization="RMSNorm",
         layernorm_epsilon=float(model_cfg.norm_epsilon),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=model_cfg.qkv_bias,
         qk_layernorm=model_cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -78,14 +138,19 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         params_dtype=torch.float32,
         # Fusions and CUDA-only paths off: the same modules run on CPU and GPU.
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        **kwargs,
     )
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_layernorm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(
+        num_experts=experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=model_cfg.qk_layernorm,
+        normalization="RMSNorm",
+    )
     max_positions = model_cfg.max_position_embeddings or max_seq_length
     rope = Rope.from_config(model_cfg, head_dim=config.kv_channels, max_position_embeddings=max_positions)
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
@@ -103,10 +168,24 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         )
     finally:
         torch.random.set_rng_state(cpu_state)
+    if experts:
+        from .moe_stats import install
+
+        install(model, model_cfg.moe_aux_loss_coeff)
     return model
 
 
-def token_losses(model, tokens, labels, positions, valid, *, cp_group=None) -> torch.Tensor:
-    """Per-position cross-entropy [b, s] (FP32), computed by megatron-core from the labels."""
+def token_losses(model, tokens, labels, positions, valid, *, cp_group=None, route_rows=None) -> torch.Tensor:
+    """Per-position cross-entropy [b, s] (FP32), computed by megatron-core from the labels.
+
+    MoE models also get ``padding_mask`` (True at padding, megatron-core's convention), so padding
+    never enters megatron-core's own router bookkeeping; ours (``moe_stats``) reads ``valid`` and
+    ``route_rows`` ([b] bool, False for rows that must not count: the zero-weight placeholder).
+    """
     ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group)
+    if getattr(model, "_moe_routers", None):
+        from .moe_stats import routing_context
+
+        with routing_context(model, valid, cp_group=cp_group, rows=route_rows):
+            return model(tokens, positions, ctx, labels=labels, padding_mask=~valid).float()
     return model(tokens, positions, ctx, labels=labels).float()

@@ -73,7 +73,13 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     ``empty=True`` allocates the shards without initialising them, for a caller that fills every
     parameter itself (from one of our checkpoints: export, log-probabilities of a trained model).
     """
-    backend = resolve_backend(cfg.model.attention_backend, device=env.device, training=training)
+    m = cfg.model
+    backend = resolve_backend(
+        m.attention_backend,
+        device=env.device,
+        training=training,
+        sinks_or_windows=m.attention_sinks or m.sliding_window,
+    )
     vocab = padded_vocab(cfg.model, tokenizer_vocab)
     fields = model_fields(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length)
     bf16 = use_bf16(cfg.train.precision, env.device)

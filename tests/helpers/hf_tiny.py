@@ -158,3 +158,52 @@ def right_padded_batch(lengths=(17, 9, 30, 1), vocab=300, seed=0):
     tokens = torch.randint(0, vocab, (len(lengths), s), generator=g)
     valid = torch.arange(s)[None] < torch.tensor(lengths)[:, None]
     return tokens.masked_fill(~valid, 0), valid
+
+
+def tiny_gpt_oss_config():
+    """GPT-OSS: 2 layers (sliding window 4, then full), 4 experts top 2, sinks, biases, YaRN (truncate false)."""
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.9,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 8,  # 256 / 32: YaRN interpolates past position 8
+        },
+    )
+
+
+def tiny_gpt_oss_model(out_dir, seed: int = 0):
+    """A tiny random GPT-OSS (FP32, eager attention) saved with save_pretrained to ``out_dir``."""
+    import transformers
+
+    cfg = tiny_gpt_oss_config()
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg).float().eval()
+    randomize(model, seed)
+    with torch.no_grad():  # sinks of order 1 and router logits spread enough that top-2 is not a tie
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 1.5, layer.self_attn.sinks.numel()))
+            layer.mlp.router.weight.mul_(10.0)
+    model.save_pretrained(out_dir)
+    return model

@@ -20,8 +20,36 @@ from pathlib import Path
 
 import torch
 
+from .gpt_oss import EXPERT_TENSORS, read_expert_tensor
 from .mapping import hf_to_megatron_names, ignorable_hf_names
 from .safetensors_io import HFCheckpoint
+
+
+class _ExpertReader:
+    """GPT-OSS stacked expert tensors, each read (and MXFP4-dequantised) once per layer: the E
+    experts of a layer all slice the same [E, ...] tensor, so the last ones read are kept until a
+    name from another layer is asked for."""
+
+    def __init__(self, ckpt: HFCheckpoint, dtype: torch.dtype):
+        self.ckpt, self.dtype = ckpt, dtype
+        self.names = set(ckpt.names())
+        self.cache: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def is_expert(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in EXPERT_TENSORS and ".mlp.experts." in name
+
+    def needed(self, name: str) -> list[str]:
+        if name in self.names:
+            return [name]
+        return [f"{name}_blocks", f"{name}_scales"]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.cache:
+            layer = name.split(".mlp.experts.")[0]
+            self.cache = {k: v for k, v in self.cache.items() if k.startswith(layer + ".")}
+            self.cache[name] = read_expert_tensor(self.names, self.ckpt.get, name, self.dtype)
+        return self.cache[name]
 
 
 def _strip(name: str) -> str:
@@ -58,6 +86,17 @@ def _check_shape(pm, shape: tuple, param) -> None:
         )
 
 
+def _fill(param, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, or this rank's shard of it (no communication)."""
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict) -> int:
     """Copy the checkpoint's weights into ``model``; returns the number of parameters filled."""
@@ -72,9 +111,17 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict) ->
             "(was it built from the same fields?)"
         )
     with HFCheckpoint(hf_dir) as ckpt:
-        ckpt.check_present(n for pm in maps for n in pm.hf)
+        experts = _ExpertReader(ckpt, next(iter(params.values())).dtype)
+        ckpt.check_present(
+            x for pm in maps for n in pm.hf for x in (experts.needed(n) if experts.is_expert(n) else [n])
+        )
         for pm in maps:
             param = params[pm.megatron]
+            if experts.is_expert(pm.hf[0]):
+                full = pm.to_megatron([experts.get(pm.hf[0])])
+                _check_shape(pm, tuple(full.shape), param)
+                _fill(param, full.to(param.dtype))
+                continue
             rows = _local_rows(param) if pm.is_copy else None
             if rows is not None:
                 _check_shape(pm, tuple(ckpt.shape(pm.hf[0])), param)
@@ -82,16 +129,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict) ->
                 continue
             full = pm.to_megatron(ckpt.get_many(pm.hf))
             _check_shape(pm, tuple(full.shape), param)
-            full = full.to(param.dtype)
-            if _is_dtensor(param):
-                from torch.distributed.tensor import distribute_tensor
-
-                local = distribute_tensor(
-                    full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-                ).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+            _fill(param, full.to(param.dtype))
             del full
         ckpt.check_consumed(ignorable_hf_names(fields))
     return len(maps)

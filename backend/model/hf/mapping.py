@@ -141,6 +141,10 @@ def hf_to_megatron_names(fields: dict) -> list[ParamMap]:
     Order: embedding, layers 0..L-1 (each in module order), final norm, output layer. A loader
     reads ``pm.hf`` (e.g. with ``safetensors_io.HFCheckpoint.get``) and calls ``pm.to_megatron``.
     """
+    if fields.get("model_type") == "gpt_oss":
+        from .gpt_oss import gpt_oss_param_maps
+
+        return gpt_oss_param_maps(fields)
     top = {m: (h, i, o) for m, h, i, o in _top_entries(fields)}
     maps = [ParamMap("embedding.word_embeddings.weight", *top.pop("embedding.word_embeddings.weight"))]
     for layer in range(fields["num_layers"]):

@@ -1,0 +1,165 @@
+"""Router statistics and the load-balancing (aux) loss of MoE models, independent of how a window is cut.
+
+megatron-core's ``aux_loss`` is computed per *microbatch* from that microbatch's token counts:
+it is not linear in the tokens, so a window cut into one-sample microbatches (fixed micro-batch
+size 1) and the same window packed into a few dynamic microbatches would get different aux
+gradients. We turn megatron-core's load balancing off (``moe_router_load_balancing_type="none"``)
+and compute the loss ourselves, **per sequence**: for each sample s with T_s valid tokens,
+
+    L_s = E * sum_e f_{s,e} * P_{s,e},   f_{s,e} = (tokens of s routed to e) / (T_s * k),
+                                          P_{s,e} = (sum over tokens of s of softmax(logits)_e) / T_s
+
+(the switch-transformer loss of one sequence; ``f`` is a constant, the gradient flows through
+``P``), and the window's aux loss is ``coeff * mean over the window's samples and ... summed over
+layers`` = ``coeff / N_window * sum_s sum_layers L_s``. A sample always lies in one microbatch
+(under context parallelism its counts are all-reduced over the CP group, and each CP rank
+contributes its own tokens' share of ``P``), so every plan adds exactly the same terms: fixed and
+dynamic gradients agree up to summation order. Padding (``valid`` False) and the zero-weight
+placeholder microbatch never enter counts or probabilities, so right padding changes nothing.
+
+How: ``install(model, coeff)`` wraps each ``TopKRouter.gating`` (per instance) so the logits of
+every routed microbatch are seen once; ``routing_context`` (``builder.token_losses``) tells the
+wrapper which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
+to each microbatch's loss and calls ``window_metrics`` at the end of the window:
+
+- ``moe_aux_loss``: the window's per-sample switch loss averaged over samples and layers
+  (1.0 = perfectly balanced; without the coefficient);
+- ``moe_tokens_per_expert_max_over_mean``: max over layers of max_e / mean_e of the routed token
+  counts of the window (all ranks; 1.0 = balanced).
+
+Expert capacity is not set (no token is dropped), so there is no dropped-token metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class MoEStats:
+    routers: list  # TopKRouter modules, layer order
+    coeff: float
+    topk: int
+    num_experts: int
+    current: tuple | None = None  # (valid [s, b] bool, cp_group) during a routed forward
+    mb_aux: torch.Tensor | None = None  # sum over this microbatch's samples and layers of coeff * L_s
+    counts: torch.Tensor | None = None  # [layers, E] float64 routed tokens of this rank in the window
+    aux_sum: torch.Tensor | None = None  # sum over this rank's samples and layers of L_s (its share under CP)
+    _index: dict = field(default_factory=dict)
+
+    def reset_window(self) -> None:
+        self.counts = None
+        self.aux_sum = None
+        self.mb_aux = None
+
+
+def _layer_stats(stats: MoEStats, router, logits: torch.Tensor) -> None:
+    valid, cp_group = stats.current
+    s, b, e = logits.shape
+    with torch.set_grad_enabled(torch.is_grad_enabled() and stats.coeff > 0):
+        scores = torch.softmax(logits.float(), dim=-1)  # [s, b, E]
+        top = torch.topk(scores.detach(), k=stats.topk, dim=-1).indices
+        routed = torch.zeros(s, b, e, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
+        m = valid[..., None].to(torch.float32)
+        local_counts = (routed * m).sum(0)  # [b, E]
+        counts, ntok = local_counts.clone(), valid.sum(0).to(torch.float32)  # [b]
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            dist.all_reduce(counts, group=cp_group)
+            dist.all_reduce(ntok, group=cp_group)
+        psum = (scores * m).sum(0)  # [b, E]: this rank's tokens' share of P (differentiable)
+        denom = ntok.clamp(min=1.0)[:, None]
+        per_seq = e * (counts / (denom * stats.topk) * psum / denom).sum(-1)  # [b]; empty rows give 0
+        total = per_seq.sum()
+    layer = stats._index[id(router)]
+    if stats.counts is None:
+        stats.counts = torch.zeros(len(stats.routers), e, dtype=torch.float64, device=logits.device)
+        stats.aux_sum = torch.zeros((), dtype=torch.float64, device=logits.device)
+    stats.counts[layer] += local_counts.detach().sum(0).double()
+    stats.aux_sum += total.detach().double()  # no host sync per layer
+    if stats.coeff > 0 and total.requires_grad:
+        term = stats.coeff * total
+        stats.mb_aux = term if stats.mb_aux is None else stats.mb_aux + term
+
+
+def _gating(router, original, stats: MoEStats, input: torch.Tensor):
+    logits = original(input)
+    if stats.current is not None and router.training:
+        _layer_stats(stats, router, logits)
+    return logits
+
+
+def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
+    """Attach router statistics (and the aux loss when ``coeff`` > 0) to a model with MoE layers."""
+    from backend.megatron_compat import import_megatron_module
+
+    router_cls = import_megatron_module("megatron.core.transformer.moe.router").TopKRouter
+    routers = [m for m in model.modules() if isinstance(m, router_cls)]
+    if not routers:
+        return None
+    stats = MoEStats(routers, float(coeff), routers[0].topk, routers[0].config.num_moe_experts)
+    for i, r in enumerate(routers):
+        stats._index[id(r)] = i
+        r.gating = functools.partial(_gating, r, type(r).gating.__get__(r), stats)
+    model._moe_stats = stats
+    model._moe_routers = True
+    return stats
+
+
+def stats_of(model) -> MoEStats | None:
+    return getattr(model, "_moe_stats", None)
+
+
+@contextlib.contextmanager
+def routing_context(model, valid: torch.Tensor, *, cp_group=None, rows: torch.Tensor | None = None):
+    """Within: the model's routers count only ``valid`` tokens ([b, s]) of ``rows`` ([b] bool)."""
+    stats = stats_of(model)
+    if stats is None:
+        yield
+        return
+    v = valid if rows is None else valid & rows.to(valid.device)[:, None]
+    stats.current = (v.t().contiguous(), cp_group)
+    try:
+        yield
+    finally:
+        stats.current = None
+
+
+def take_microbatch_aux(model) -> torch.Tensor | None:
+    """coeff * sum of the per-sample switch losses of the last microbatch (to divide by N_window), or None."""
+    stats = stats_of(model)
+    if stats is None:
+        return None
+    out, stats.mb_aux = stats.mb_aux, None
+    return out
+
+
+def begin_window(model) -> None:
+    stats = stats_of(model)
+    if stats is not None:
+        stats.reset_window()
+
+
+def window_metrics(model, num_samples: int, group=None) -> dict:
+    """The window's router metrics over all ranks (collective: every rank calls it); {} for dense models."""
+    stats = stats_of(model)
+    if stats is None:
+        return {}
+    layers, e = len(stats.routers), stats.num_experts
+    if stats.counts is None:  # nothing routed on this rank (it still joins the collective)
+        device = next(iter(stats.routers[0].parameters())).device
+        packed = torch.zeros(layers * e + 1, dtype=torch.float64, device=device)
+    else:
+        packed = torch.cat([stats.counts.flatten(), stats.aux_sum.reshape(1)])
+    if dist.is_initialized():
+        dist.all_reduce(packed, group=group)
+    counts, aux = packed[:-1].view(layers, e), float(packed[-1])
+    mean = counts.mean(-1).clamp(min=1e-12)
+    return {
+        "moe_aux_loss": aux / max(1, num_samples) / layers,
+        "moe_tokens_per_expert_max_over_mean": float((counts.max(-1).values / mean).max()),
+    }
