@@ -14,6 +14,7 @@ the embedding's row count: a model whose vocabulary was padded exports its padde
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,7 +26,12 @@ from backend.config.hf import SUPPORTED_MODEL_TYPES
 from .mapping import hf_to_megatron_names, megatron_to_hf
 from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, write_sharded
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 #: Copied verbatim when present in the source directory: tokenizer, generation and chat-template
 #: files. Never ``*.py`` (custom code) or pickles.
@@ -55,6 +61,8 @@ def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | N
     model_type = fields["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r}: export supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "gpt_oss":
+        return _gpt_oss_config(fields, dtype=dtype, source_config=source_config)
     if fields["qk_layernorm"] != (model_type == "qwen3"):
         raise ValueError(f"qk_layernorm={fields['qk_layernorm']} cannot be expressed as a {model_type} model")
     if fields["qkv_bias"] != (model_type == "qwen2"):
@@ -93,6 +101,77 @@ def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | N
     return cfg
 
 
+def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> dict:
+    """GPT-OSS config.json: dense weights (no ``quantization_config``), rope_parameters (5.x keys)."""
+    scaling = dict(fields["rope_scaling"] or {"rope_type": "default"})
+    cfg = {
+        "architectures": [ARCHITECTURES["gpt_oss"]],
+        "model_type": "gpt_oss",
+        "hidden_size": fields["hidden_size"],
+        "intermediate_size": fields["moe_ffn_hidden_size"],
+        "num_hidden_layers": fields["num_layers"],
+        "num_attention_heads": fields["num_attention_heads"],
+        "num_key_value_heads": fields["num_query_groups"],
+        "head_dim": fields["head_dim"],
+        "vocab_size": fields["vocab_size"],
+        "max_position_embeddings": fields["max_position_embeddings"],
+        "rms_norm_eps": fields["norm_epsilon"],
+        "rope_parameters": {"rope_theta": float(fields["rotary_base"]), **scaling},
+        "tie_word_embeddings": bool(fields["tie_embeddings"]),
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "sliding_window": fields["sliding_window"] or None,
+        "layer_types": ["sliding_attention" if f else "full_attention" for f in fields["window_attn_skip_freq"]],
+        "num_local_experts": fields["num_moe_experts"],
+        "num_experts_per_tok": fields["moe_router_topk"],
+        "swiglu_limit": fields["swiglu_limit"],
+        "router_aux_loss_coef": fields.get("router_aux_loss_coef", 0.0),
+        "output_router_logits": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": str(_dtype(dtype)).removeprefix("torch."),
+    }
+    if fields.get("swiglu_alpha", 1.702) != 1.702:
+        raise ValueError(f"swiglu_alpha={fields['swiglu_alpha']}: transformers' GPT-OSS fixes alpha at 1.702")
+    for key in _CARRIED_KEYS:
+        if source_config and source_config.get(key) is not None:
+            cfg[key] = source_config[key]
+    return cfg
+
+
+_EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+
+
+def _gpt_oss_hf(named_tensors, fields: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-OSS: per-expert tensors are held until a layer's E experts are complete, then stacked."""
+    from .gpt_oss import gpt_oss_param_maps, stack_experts_to_hf
+
+    by_name = {pm.megatron: pm for pm in gpt_oss_param_maps(fields)}
+    n = fields["num_moe_experts"]
+    pending: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in named_tensors:
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            pm = by_name.get(name)
+            if pm is None:
+                raise KeyError(f"{name}: no Hugging Face counterpart for this megatron-core parameter")
+            yield from zip(pm.hf, pm.to_hf(tensor), strict=True)
+            continue
+        layer, expert, what = int(m.group(1)), int(m.group(2)), m.group(3)
+        slots = pending.setdefault(layer, {})
+        slots.setdefault(what, {})[expert] = tensor
+        if len(slots) == 4 and all(len(v) == n for v in slots.values()):
+            del pending[layer]
+            stacked = stack_experts_to_hf(
+                *(
+                    [slots[k][e] for e in range(n)]
+                    for k in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+                )
+            )
+            for key, t in stacked.items():
+                yield f"model.layers.{layer}.mlp.experts.{key}", t
+
+
 def hf_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], fields: dict, *, dtype: str = "bf16"
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,16 +183,24 @@ def hf_tensors(
     torch_dtype = _dtype(dtype)
     expected = {pm.megatron for pm in hf_to_megatron_names(fields)}
     seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if name.endswith("._extra_state"):
-            continue
-        if name in seen:
-            raise ValueError(f"{name}: given twice")
-        if name == "embedding.word_embeddings.weight" and tensor.shape[0] != fields["vocab_size"]:
-            raise ValueError(f"{name}: {tensor.shape[0]} rows, but vocab_size={fields['vocab_size']}")
-        seen.add(name)
-        for hf_name, t in megatron_to_hf(name, tensor, fields):
-            yield hf_name, t.detach().to("cpu", torch_dtype)
+
+    def checked():
+        for name, tensor in named_tensors:
+            if name.endswith("._extra_state"):
+                continue
+            if name in seen:
+                raise ValueError(f"{name}: given twice")
+            if name == "embedding.word_embeddings.weight" and tensor.shape[0] != fields["vocab_size"]:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, but vocab_size={fields['vocab_size']}")
+            seen.add(name)
+            yield name, tensor
+
+    if fields["model_type"] == "gpt_oss":
+        pairs = _gpt_oss_hf(checked(), fields)
+    else:
+        pairs = ((h, t) for name, tensor in checked() for h, t in megatron_to_hf(name, tensor, fields))
+    for hf_name, t in pairs:
+        yield hf_name, t.detach().to("cpu", torch_dtype)
     missing = sorted(expected - seen)
     if missing:
         raise ValueError(f"export is missing {len(missing)} parameter(s): {', '.join(missing[:10])}")

@@ -1,0 +1,173 @@
+"""A tiny random GPT-OSS imported through ``build_model`` (model.hf_checkpoint) gives transformers' logits.
+
+The model: 2 layers (sliding window 4, then full), 4 experts top 2, sinks, q/k/v/o and expert
+biases, YaRN RoPE (factor 32, truncate false). Also: MXFP4 experts dequantised bitwise as
+transformers does, flex (sinks + window, forward only on CPU) equal to sdpa through the whole
+model, export back to a directory transformers loads with equal logits, and the GPT-OSS-20B recipe
+on the meta device with exactly 20,914,757,184 parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from backend.model.hf.export import export_hf_dir  # noqa: E402
+from backend.model.hf.gpt_oss import expert_fc1_weight, expert_fc2_weight  # noqa: E402
+from backend.train.hf_export import full_named_tensors  # noqa: E402
+from tests.helpers.hf_tiny import (  # noqa: E402
+    build_from_hf,
+    hf_logits,
+    our_logits,
+    right_padded_batch,
+    tiny_gpt_oss_model,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt_oss") / "tiny"
+    return out, tiny_gpt_oss_model(out)
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.replace("module.", "")] = t.detach()
+    return out
+
+
+def test_logits_match_transformers(world, gpt_oss):
+    hf_dir, hf = gpt_oss
+    built = build_from_hf(hf_dir, world)
+    assert built.fields["model_type"] == "gpt_oss"
+    assert built.num_parameters == sum(p.numel() for p in hf.parameters())
+    tokens, valid = right_padded_batch()
+    ours, ref = our_logits(built.model, tokens, valid), hf_logits(hf, tokens, valid)
+    diff = float((ours - ref)[valid].abs().max())
+    print(f"gpt_oss: max |logit diff| on valid positions = {diff:.3g}")
+    assert diff <= TOL and float(ref[valid].std()) > 0.1
+    # Teeth: without the sinks (offset -inf would be no sink; zero is a different sink) logits move.
+    attn = [m for m in built.model.modules() if getattr(m, "softmax_offset", None) is not None]
+    assert [m.window for m in attn] == [4, 0]
+    with torch.no_grad():
+        saved = [m.softmax_offset.detach().clone() for m in attn]
+        for m in attn:
+            m.softmax_offset.fill_(-30.0)
+        assert float((our_logits(built.model, tokens, valid) - ref)[valid].abs().max()) > 1e-2
+        for m, s in zip(attn, saved, strict=True):
+            m.softmax_offset.copy_(s)
+
+
+def test_flex_forward_equals_sdpa(world, gpt_oss):
+    hf_dir, _ = gpt_oss
+    tokens, valid = right_padded_batch(seed=3)
+    sdpa = our_logits(build_from_hf(hf_dir, world).model, tokens, valid)
+    flex_built = build_from_hf(hf_dir, world, "model.attention_backend=flex")
+    assert flex_built.attention_backend == "flex"
+    flex = our_logits(flex_built.model, tokens, valid)
+    diff = float((flex - sdpa)[valid].abs().max())
+    print(f"gpt_oss: flex vs sdpa max |logit diff| = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def _write_mxfp4_copy(src: Path, dst: Path, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``src`` with its dense expert matrices replaced by random MXFP4 blocks/scales (+ quantization_config)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    assert len(files) == 1
+    state = load_file(files[0])
+    g = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, cols_out = state.pop(name).shape  # dense [E, in, out]
+        blocks = torch.randint(0, 256, (e, cols_out, rows_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(118, 124, (e, cols_out, rows_in // 32), generator=g, dtype=torch.uint8)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        pairs[name] = (blocks, scales)
+    save_file(state, files[0], metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return pairs
+
+
+def test_mxfp4_experts_dequantise_bitwise_as_transformers(world, gpt_oss, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf_dir, hf = gpt_oss
+    pairs = _write_mxfp4_copy(Path(hf_dir), tmp_path / "mxfp4")
+    built = build_from_hf(tmp_path / "mxfp4", world)
+    params = _params(built.model)
+    dense = {name: convert_moe_packed_tensors(b, s, dtype=torch.float32) for name, (b, s) in pairs.items()}
+    for layer in range(2):
+        gu, dn = (
+            dense[f"model.layers.{layer}.mlp.experts.gate_up_proj"],
+            dense[f"model.layers.{layer}.mlp.experts.down_proj"],
+        )
+        for e in range(4):
+            pre = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
+            assert torch.equal(
+                params[pre + "linear_fc1.weight"].view(torch.int32), expert_fc1_weight(gu, e).view(torch.int32)
+            )
+            assert torch.equal(
+                params[pre + "linear_fc2.weight"].view(torch.int32), expert_fc2_weight(dn, e).view(torch.int32)
+            )
+    # And the model computes what transformers computes with those dequantised experts.
+    with torch.no_grad():
+        for layer, mod in enumerate(hf.model.layers):
+            saved = (mod.mlp.experts.gate_up_proj.clone(), mod.mlp.experts.down_proj.clone())
+            mod.mlp.experts.gate_up_proj.copy_(dense[f"model.layers.{layer}.mlp.experts.gate_up_proj"])
+            mod.mlp.experts.down_proj.copy_(dense[f"model.layers.{layer}.mlp.experts.down_proj"])
+            mod._saved = saved
+    try:
+        tokens, valid = right_padded_batch(seed=2)
+        diff = float((our_logits(built.model, tokens, valid) - hf_logits(hf, tokens, valid))[valid].abs().max())
+        print(f"gpt_oss mxfp4: max |logit diff| = {diff:.3g}")
+        assert diff <= TOL
+    finally:
+        with torch.no_grad():
+            for mod in hf.model.layers:
+                mod.mlp.experts.gate_up_proj.copy_(mod._saved[0])
+                mod.mlp.experts.down_proj.copy_(mod._saved[1])
+                del mod._saved
+
+
+def test_export_loads_in_transformers_with_equal_logits(world, gpt_oss, tmp_path):
+    hf_dir, hf = gpt_oss
+    built = build_from_hf(hf_dir, world)
+    out = export_hf_dir(
+        built.fields, full_named_tensors(built.model), tmp_path / "out", dtype="fp32", source_dir=hf_dir
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["model_type"] == "gpt_oss"
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    ref = hf.state_dict()
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    tokens, valid = right_padded_batch(seed=1)
+    assert float((hf_logits(again, tokens, valid) - hf_logits(hf, tokens, valid))[valid].abs().max()) == 0.0
+
+
+def test_gpt_oss_20b_recipe_on_meta_device(world):
+    from backend.config import load_config, validate
+    from backend.model.builder import model_family
+    from backend.model.factory import meta_model
+
+    cfg = validate(load_config(REPO / "configs" / "gpt_oss_20b_dynamic.yaml", ["model.hf_checkpoint=''"]), 8)
+    assert model_family(cfg.model) == "gpt_oss" and cfg.model.attention_backend == "flex"
+    assert cfg.model.num_moe_experts == 32 and cfg.model.attention_sinks and cfg.train.dynamic_batch_enable
+    model = meta_model(cfg, tokenizer_vocab=cfg.model.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) == 20_914_757_184
