@@ -3,6 +3,7 @@
 
     python tools/bench_train.py --dp 2 --json          # CPU: a tiny model, two gloo ranks
     python tools/bench_train.py --json                 # on a GPU: a ~250M-parameter model in BF16
+    python tools/bench_train.py --moe --sets short     # the same arms on a tiny GPT-OSS-style MoE
 
 Arms on the same windows, alternating each step: micro-batch size 1, the largest fixed size safe
 for the longest sequence, and dynamic batching. Prints a table and, with --json, one JSON object
@@ -32,10 +33,27 @@ def build(env, args):
         if cuda
         else ["model.hidden_size=128", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2"]
     )
+    moe = (
+        [
+            "model.num_moe_experts=4",
+            "model.moe_router_topk=2",
+            f"model.moe_ffn_hidden_size={512 if cuda else 128}",
+            "model.moe_aux_loss_coeff=0.01",
+            "model.attention_bias=true",
+            "model.attention_sinks=true",
+            "model.qk_layernorm=false",
+            "model.qkv_bias=true",
+            "model.sliding_window=128",
+            f"model.window_attn_skip_freq=[{','.join(['1', '0'] * (8 if cuda else 1))}]",
+        ]
+        if args.moe
+        else []
+    )
     cfg = load_config(
         None,
         [
             *size,
+            *moe,
             f"model.vocab_size={32768 if cuda else 256}",
             f"model.attention_backend={args.attention}",
             "data.max_seq_length=8192",
@@ -55,6 +73,7 @@ def build(env, args):
         "num_layers": cfg.model.num_layers,
         "attention_backend": built.attention_backend,
         "precision": "bf16" if built.bf16 else "fp32",
+        "moe": f"{cfg.model.num_moe_experts} experts, top {cfg.model.moe_router_topk}" if args.moe else None,
     }
     return built.model, optimizer, scheduler, info
 
@@ -99,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", help="model.attention_backend")
     p.add_argument("--override", action="append", default=[], help="dotted.key=value for the model config")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe", action="store_true", help="a GPT-OSS-style MoE model (4 experts, top 2, sinks, windows)")
     p.add_argument("--scale", type=float, default=1.0, help="scale sequences per step (a quick smoke run: 0.1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON here")

@@ -38,6 +38,7 @@ def worker(argv: list[str]) -> int:
     from backend.config import load_config, validate
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.logging.metrics import peak_memory_bytes
+    from backend.model import moe_stats
     from backend.train.step import apply_update, forward_backward
     from backend.train.trainer import Trainer
 
@@ -63,6 +64,8 @@ def worker(argv: list[str]) -> int:
             start = time.perf_counter()
             loss = forward_backward(trainer.model, data, env)
             grad_time = time.perf_counter() - start
+            for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids)).items():
+                record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
             record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
             start = time.perf_counter()
             update = apply_update(

@@ -24,6 +24,7 @@ from backend.data.collate import MicrobatchTensors
 from backend.data.iterator import StepData
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import set_grad_sync
+from backend.model import moe_stats
 from backend.model.builder import token_losses
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward
@@ -56,13 +57,22 @@ def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
 def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch."""
     mb = mb.to(env.device)
-    losses = token_losses(model, mb.tokens, mb.labels, mb.position_ids, mb.valid, cp_group=env.cp_group)
+    losses = token_losses(
+        model, mb.tokens, mb.labels, mb.position_ids, mb.valid, cp_group=env.cp_group, route_rows=mb.sample_ids >= 0
+    )
     return (losses * mb.loss_weight).sum()
 
 
 def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchHook | None = None) -> float:
-    """Accumulate the window's gradient over this rank's microbatches; returns the window loss."""
+    """Accumulate the window's gradient over this rank's microbatches; returns the window loss.
+
+    MoE models add their load-balancing loss per microbatch as ``coeff * sum of per-sample switch
+    losses / samples in the window`` (``backend.model.moe_stats``): independent of the plan. The
+    returned loss is the language-model loss only; ``moe_stats.window_metrics`` reports the rest.
+    """
     model.train()
+    moe_stats.begin_window(model)
+    samples = max(1, len(data.window_ids))
     normaliser = max(1, data.global_loss_tokens)
     local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     count = len(data.microbatches)
@@ -70,7 +80,11 @@ def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchH
         set_grad_sync(model, j == count - 1)
         with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
             loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
-        (loss_sum / normaliser).backward()
+        total = loss_sum / normaliser
+        aux = moe_stats.take_microbatch_aux(model)
+        if aux is not None:
+            total = total + aux / samples
+        total.backward()
         local_sum += loss_sum.detach().double()
     return (dist_sum(local_sum) / normaliser).item()
 
@@ -100,7 +114,8 @@ def train_step(
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
     loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
+    moe = moe_stats.window_metrics(model, len(data.window_ids))  # {} for dense models
     out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    return {"loss": loss, **out, "step_time_s": time.perf_counter() - start}
+    return {"loss": loss, **out, **moe, "step_time_s": time.perf_counter() - start}

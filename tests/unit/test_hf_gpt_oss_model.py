@@ -171,3 +171,49 @@ def test_gpt_oss_20b_recipe_on_meta_device(world):
     assert cfg.model.num_moe_experts == 32 and cfg.model.attention_sinks and cfg.train.dynamic_batch_enable
     model = meta_model(cfg, tokenizer_vocab=cfg.model.vocab_size)
     assert sum(p.numel() for p in model.parameters()) == 20_914_757_184
+
+
+def test_right_padding_changes_no_gradient_and_no_router_statistic(world, gpt_oss):
+    """Extra right padding (and a zero-weight placeholder row) leaves gradients and router counts unchanged."""
+    from backend.model import moe_stats
+    from backend.model.builder import token_losses
+
+    hf_dir, _ = gpt_oss
+    built = build_from_hf(hf_dir, world, "model.moe_aux_loss_coeff=0.9", training=True)
+    model = built.model
+    tokens, valid = right_padded_batch(lengths=(12, 5, 9))
+
+    def run(tokens, valid, rows=None):
+        model.zero_grad(set_to_none=True)
+        moe_stats.begin_window(model)
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens).contiguous()
+        labels = torch.roll(tokens, -1, dims=1)
+        weight = torch.nn.functional.pad(valid[:, 1:], (0, 1), value=False).float()  # a next token exists
+        if rows is not None:
+            weight = weight * rows[:, None]
+        losses = token_losses(model, tokens, labels, positions, valid, route_rows=rows)
+        aux = moe_stats.take_microbatch_aux(model)
+        ((losses * weight).sum() / 20 + aux / 3).backward()
+        stats = moe_stats.stats_of(model)
+        grads = torch.cat([_full(p.grad).reshape(-1) for p in model.parameters()])
+        return grads, stats.counts.clone(), float(stats.aux_sum)
+
+    g0, c0, a0 = run(tokens, valid)
+    pad = 7
+    g1, c1, a1 = run(torch.nn.functional.pad(tokens, (0, pad)), torch.nn.functional.pad(valid, (0, pad), value=False))
+    extra_row = torch.cat([tokens, torch.randint(0, 300, (1, tokens.shape[1]))])
+    g2, c2, a2 = run(
+        extra_row,
+        torch.cat([valid, torch.ones(1, tokens.shape[1], dtype=torch.bool)]),
+        rows=torch.tensor([True, True, True, False]),
+    )
+    assert float(c0.sum()) == 2 * 2 * (12 + 5 + 9)  # layers x top-k x valid tokens
+    for g, c, a in ((g1, c1, a1), (g2, c2, a2)):
+        assert torch.equal(c, c0)
+        assert abs(a - a0) <= 1e-6 * abs(a0)
+        assert float((g - g0).abs().max()) <= 1e-5 * float(g0.abs().max())  # FP32 summation order
+    assert a0 > 0
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
