@@ -113,8 +113,13 @@ def _moe_attention_errors(m) -> list[str]:
             )
         if m.swiglu_limit is not None and m.swiglu_limit <= 0:
             errors.append(f"model.swiglu_limit={m.swiglu_limit}: must be > 0 (or null for no clamp)")
-    elif m.moe_aux_loss_coeff:
-        errors.append("model.moe_aux_loss_coeff: needs model.num_moe_experts > 0")
+    else:
+        if m.moe_aux_loss_coeff:
+            errors.append("model.moe_aux_loss_coeff: needs model.num_moe_experts > 0")
+        if m.attention_bias:
+            errors.append(
+                "model.attention_bias: needs model.num_moe_experts > 0 (megatron-core biases o_proj only with the MLP)"
+            )
     flags = list(m.window_attn_skip_freq)
     if flags and len(flags) != m.num_layers:
         errors.append(f"model.window_attn_skip_freq: {len(flags)} entries, one per layer needed ({m.num_layers})")

@@ -217,3 +217,20 @@ def test_right_padding_changes_no_gradient_and_no_router_statistic(world, gpt_os
 
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["model.num_moe_experts=4", "model.moe_router_topk=5"], "model.moe_router_topk=5"),
+        (["model.attention_sinks=true", "model.attention_backend=te"], "te does not carry sinks"),
+        (["model.sliding_window=8", "model.window_attn_skip_freq=[1,0,1]"], "one per layer needed"),
+        (["model.attention_bias=true"], "model.attention_bias: needs model.num_moe_experts"),
+        (["model.moe_aux_loss_coeff=0.1"], "model.moe_aux_loss_coeff: needs"),
+    ],
+)
+def test_gpt_oss_keys_are_validated(overrides, match):
+    from backend.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(load_config(None, overrides), 1)
