@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from backend.batching import smallest_budget
 
 from .load import ConfigError
 from .schema import (
     ATTENTION_BACKENDS,
+    BATCH_LAYOUTS,
     DP_WRAPPERS,
     OVERLONG_POLICIES,
     PRECISIONS,
@@ -17,6 +20,7 @@ from .schema import (
 _CHOICES = {
     "model.attention_backend": ATTENTION_BACKENDS,
     "data.overlong": OVERLONG_POLICIES,
+    "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
     "logger.wandb.mode": WANDB_MODES,
     "parallel.data_parallel_wrapper": DP_WRAPPERS,
@@ -42,6 +46,7 @@ _NON_NEGATIVE = (
     "model.max_position_embeddings",
     "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
+    "train.dynamic_batch_attention_weight",
     "train.dynamic_batch_max_shapes",
     "train.forward_max_tokens_per_gpu",
     "scheduler.warmup_iters",
@@ -79,6 +84,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
+        )
+    if not math.isfinite(t.dynamic_batch_attention_weight):
+        errors.append(
+            f"train.dynamic_batch_attention_weight={t.dynamic_batch_attention_weight}: must be a finite number"
         )
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr}: must be > 0")

@@ -24,6 +24,7 @@ from backend.data.collate import MicrobatchTensors
 from backend.data.iterator import StepData
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import set_grad_sync
+from backend.model.attention import AttentionContext
 from backend.model.builder import token_losses
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward
@@ -53,15 +54,43 @@ def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
     )
 
 
+def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None) -> torch.Tensor:
+    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device.
+
+    Padded microbatches go through the model builder's ``token_losses``; packed ones carry their
+    segment facts (sequence ids, cu_seqlens) into the attention context, so attention stays
+    within each sequence."""
+    if not mb.is_packed:
+        return token_losses(model, mb.tokens, mb.labels, mb.position_ids, mb.valid, cp_group=cp_group)
+    ctx = AttentionContext(
+        positions=mb.position_ids,
+        valid=mb.valid,
+        cp_group=cp_group,
+        segment_ids=mb.segment_ids,
+        cu_seqlens=mb.cu_seqlens,
+        cu_seqlens_padded=mb.cu_seqlens_padded,
+    )
+    return model(mb.tokens, mb.position_ids, ctx, labels=mb.labels).float()
+
+
 def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch."""
     mb = mb.to(env.device)
-    losses = token_losses(model, mb.tokens, mb.labels, mb.position_ids, mb.valid, cp_group=env.cp_group)
+    losses = microbatch_token_losses(model, mb, env.cp_group)
     return (losses * mb.loss_weight).sum()
 
 
-def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchHook | None = None) -> float:
-    """Accumulate the window's gradient over this rank's microbatches; returns the window loss."""
+def forward_backward(
+    model,
+    data: StepData,
+    env,
+    *,
+    microbatch_hook: MicrobatchHook | None = None,
+    microbatch_done: Callable[[int], None] | None = None,
+) -> float:
+    """Accumulate the window's gradient over this rank's microbatches; returns the window loss.
+    ``microbatch_done(j)`` (optional) runs right after microbatch j's backward (the benchmark
+    times each microbatch's compute with it)."""
     model.train()
     normaliser = max(1, data.global_loss_tokens)
     local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -72,6 +101,8 @@ def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchH
             loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
         (loss_sum / normaliser).backward()
         local_sum += loss_sum.detach().double()
+        if microbatch_done is not None:
+            microbatch_done(j)
     return (dist_sum(local_sum) / normaliser).item()
 
 
@@ -93,13 +124,22 @@ def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, 
 
 
 def train_step(
-    model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, microbatch_hook=None
+    model,
+    optimizer,
+    scheduler,
+    data: StepData,
+    env,
+    *,
+    clip_grad: float,
+    step: int,
+    microbatch_hook=None,
+    microbatch_done=None,
 ) -> dict:
     """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
-    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
+    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook, microbatch_done=microbatch_done)
     out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
