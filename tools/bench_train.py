@@ -81,7 +81,7 @@ def print_table(result: dict) -> None:
         f"{cal['attention_weight']:.3g}, packed {cal['packed_attention_weight']:.3g} token-equivalents per token x length"
     )
     head = (
-        f"{'set':12} {'arm':11} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
+        f"{'set':12} {'arm':17} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
         f"{'real_s':>7} {'pad_s':>7} {'ovh_s':>7} {'pred_s':>7} {'x_mbs1':>6} {'pred_x':>6} {'imb':>6} {'imb_mod':>7}"
     )
     print(head)
@@ -93,7 +93,7 @@ def print_table(result: dict) -> None:
                 f" {a['measured_rank_imbalance']:6.3f} {a['modelled_rank_imbalance']:7.3f}"
             )
             print(
-                f"{name:12} {arm:11} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
+                f"{name:12} {arm:17} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
                 f"{a['microbatches_per_step']:6.1f} {a['peak_memory_bytes'] / 2**20:9.1f} {a['distinct_shapes']:6d} "
                 f"{a['real_compute_s']:7.3f} {a['padding_compute_s']:7.3f} {a['overhead_s']:7.3f} {a['predicted_step_time_s']:7.3f}"
                 + tail
