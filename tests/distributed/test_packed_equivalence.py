@@ -36,18 +36,24 @@ def packed_arms(tmp_path_factory, embedded_cache):
     }
 
 
+def _report(name: str, result: dict) -> dict:
+    keys = ("loss_rel_diff", "grad_cosine", "max_param_diff", "num_microbatches_ref", "num_microbatches_other")
+    print(name, {k: result[k] for k in keys})  # shown with pytest -s
+    return result
+
+
 def test_packed_equals_padded_and_fixed_at_dp2(packed_arms):
-    vs_padded = compare(packed_arms["padded_cp1"], packed_arms["packed_cp1"])
+    vs_padded = _report("padded vs packed dp2", compare(packed_arms["padded_cp1"], packed_arms["packed_cp1"]))
     # Not vacuous: packing needs fewer microbatches and pads (almost) nothing.
     assert vs_padded["num_microbatches_other"] <= vs_padded["num_microbatches_ref"]
     assert vs_padded["padding_efficiency_other"] > vs_padded["padding_efficiency_ref"]
     assert vs_padded["padding_efficiency_other"] == 1.0
     assert_same_training(vs_padded)
-    assert_same_training(compare(packed_arms["fixed_cp1"], packed_arms["packed_cp1"]))
+    assert_same_training(_report("fixed vs packed dp2", compare(packed_arms["fixed_cp1"], packed_arms["packed_cp1"])))
 
 
 def test_packed_at_dp2_cp2_equals_padded_and_fixed(packed_arms):
     assert packed_arms["packed_cp2"]["world_size"] == 4
-    assert_same_training(compare(packed_arms["padded_cp2"], packed_arms["packed_cp2"]))
-    assert_same_training(compare(packed_arms["fixed_cp1"], packed_arms["packed_cp2"]))
-    assert_same_training(compare(packed_arms["packed_cp1"], packed_arms["packed_cp2"]))
+    assert_same_training(_report("padded vs packed cp2", compare(packed_arms["padded_cp2"], packed_arms["packed_cp2"])))
+    assert_same_training(_report("fixed vs packed cp2", compare(packed_arms["fixed_cp1"], packed_arms["packed_cp2"])))
+    assert_same_training(_report("packed cp1 vs cp2", compare(packed_arms["packed_cp1"], packed_arms["packed_cp2"])))
