@@ -6,8 +6,13 @@
     python tools/bench_train.py --moe --sets short     # the same arms on a tiny GPT-OSS-style MoE
 
 Arms on the same windows, alternating each step: micro-batch size 1, the largest fixed size safe
-for the longest sequence, and dynamic batching. Prints a table and, with --json, one JSON object
-(keys: sets -> speedup_vs_mbs1, predicted_speedup, padding_efficiency, arms; see the README's Performance section).
+for the longest sequence, sort-and-stride (padded), dynamic batching with padded rows and with
+packed rows (--compare-weight adds both dynamic layouts planned with attention weight 0). Per arm:
+measured and modelled step time and the measured rank imbalance. Prints a table and, with --json,
+one JSON object (keys: sets -> speedup_vs_mbs1, predicted_speedup, padding_efficiency,
+packed_vs_padded, ..., arms; see the README's Performance section).
+
+    python tools/bench_train.py --dp 2 --sets longtail4k --compare-weight   # pricing vs imbalance
 """
 
 from __future__ import annotations
@@ -89,23 +94,39 @@ def print_table(result: dict) -> None:
         f"{cal['c2_s_per_token_len'] * 1e9:.4f} ns/token/len; t_step {cal['t_step_s'] * 1e3:.1f} ms; "
         f"planner overhead {cal['overhead_tokens']} tokens"
     )
+    print(
+        f"packed rows: {cal['packed_c0_s'] * 1e3:.2f} ms/microbatch + {cal['packed_c1_s_per_token'] * 1e6:.3f} us/token"
+        f" + {cal['packed_c2_s_per_token_len'] * 1e9:.4f} ns/token/len; attention weight (c2/c1): padded "
+        f"{cal['attention_weight']:.3g}, packed {cal['packed_attention_weight']:.3g} token-equivalents per token x length"
+    )
     head = (
-        f"{'set':12} {'arm':11} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
-        f"{'real_s':>7} {'pad_s':>7} {'ovh_s':>7} {'pred_s':>7}"
+        f"{'set':12} {'arm':17} {'step_s':>8} {'tok/s':>9} {'pad_eff':>7} {'mbs':>6} {'peak_MiB':>9} {'shapes':>6} "
+        f"{'real_s':>7} {'pad_s':>7} {'ovh_s':>7} {'pred_s':>7} {'x_mbs1':>6} {'pred_x':>6} {'imb':>6} {'imb_mod':>7}"
     )
     print(head)
     print("-" * len(head))
     for name, s in result["sets"].items():
         for arm, a in s["arms"].items():
+            tail = (
+                f" {a['speedup_vs_mbs1']:6.2f} {a['predicted_speedup_vs_mbs1']:6.2f}"
+                f" {a['measured_rank_imbalance']:6.3f} {a['modelled_rank_imbalance']:7.3f}"
+            )
             print(
-                f"{name:12} {arm:11} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
+                f"{name:12} {arm:17} {a['median_step_time_s']:8.3f} {a['tokens_per_s']:9.0f} {a['padding_efficiency']:7.3f} "
                 f"{a['microbatches_per_step']:6.1f} {a['peak_memory_bytes'] / 2**20:9.1f} {a['distinct_shapes']:6d} "
                 f"{a['real_compute_s']:7.3f} {a['padding_compute_s']:7.3f} {a['overhead_s']:7.3f} {a['predicted_step_time_s']:7.3f}"
+                + tail
             )
         print(
             f"{name:12} speedup vs mbs1: measured {s['speedup_vs_mbs1']:.2f}x, predicted {s['predicted_speedup']:.2f}x "
             f"(ratio {s['speedup_vs_mbs1'] / s['predicted_speedup']:.2f}); vs fixed mbs {s['fixed_safe_mbs']}: "
             f"{s['speedup_vs_fixed_safe']:.2f}x"
+        )
+        print(
+            f"{name:12} packed vs padded: measured {s['packed_vs_padded']:.3f}x, predicted "
+            f"{s['predicted_packed_vs_padded']:.3f}x; vs sort-and-stride: dynamic {s['dynamic_vs_sort_and_stride']:.3f}x "
+            f"(predicted {s['predicted_dynamic_vs_sort_and_stride']:.3f}x), packed {s['packed_vs_sort_and_stride']:.3f}x "
+            f"(predicted {s['predicted_packed_vs_sort_and_stride']:.3f}x)"
         )
 
 
@@ -120,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe", action="store_true", help="a GPT-OSS-style MoE model (4 experts, top 2, sinks, windows)")
     p.add_argument("--scale", type=float, default=1.0, help="scale sequences per step (a quick smoke run: 0.1)")
+    p.add_argument(
+        "--compare-weight", action="store_true", help="add both dynamic layouts planned with attention weight 0"
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -151,7 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         cal["t_step_s"] = measure_t_step(model, optimizer, scheduler, env, cal)
         sets = {
             name: run_set(
-                model, optimizer, scheduler, env, name, spec, cal, steps=args.steps, warmup=args.warmup, seed=args.seed
+                model,
+                optimizer,
+                scheduler,
+                env,
+                name,
+                spec,
+                cal,
+                steps=args.steps,
+                warmup=args.warmup,
+                seed=args.seed,
+                compare_weight=args.compare_weight,
             )
             for name, spec in specs.items()
         }

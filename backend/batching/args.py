@@ -18,6 +18,16 @@ from .pricing import check_budget, check_positive_int, pad_multiple
 # model), so it is a knob: config key train.dynamic_batch_overhead.
 DEFAULT_MICROBATCH_OVERHEAD = 2048
 
+# Microbatch layouts: "padded" (rows right-padded to the microbatch's longest) or "packed" (one
+# row holding the sequences back to back, attention within each sequence only).
+LAYOUTS = ("padded", "packed")
+
+# Attention term of the step-time model, in token-equivalents per token x length: a microbatch's
+# modelled time is cost + attention_weight * area / cp + overhead, where area is rows * L^2
+# (padded) or sum of per-sequence padded lengths squared (packed). 0 (the default) prices tokens
+# only, exactly as before this knob existed; see the README's Pricing section for how to set it.
+DEFAULT_ATTENTION_WEIGHT = 0.0
+
 
 @dataclass(frozen=True)
 class PlanArgs:
@@ -33,6 +43,10 @@ class PlanArgs:
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD
     # Shape buckets (see buckets.choose_bucket_edges); None = exact lengths.
     bucket_edges: tuple[int, ...] | None = None
+    # "padded" or "packed" (see LAYOUTS).
+    layout: str = "padded"
+    # Token-equivalents per token x length (see DEFAULT_ATTENTION_WEIGHT).
+    attention_weight: float = DEFAULT_ATTENTION_WEIGHT
 
     def __post_init__(self) -> None:
         check_positive_int("dp_size", self.dp_size)
@@ -41,6 +55,11 @@ class PlanArgs:
         o = self.overhead
         if isinstance(o, bool) or not isinstance(o, int) or o < 0:
             raise ValueError(f"overhead must be an integer >= 0 (token-equivalents), got {o!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        w = self.attention_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or w == float("inf"):
+            raise ValueError(f"attention_weight must be a finite number >= 0 (token-equivalents), got {w!r}")
         if self.bucket_edges is not None:
             object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
 
@@ -52,6 +71,11 @@ class PlanArgs:
     def budget(self) -> int:
         """max_tokens_per_gpu, checked to hold at least one CP-aligned row."""
         return check_budget(self.max_tokens_per_gpu, self.multiple, self.cp_size)
+
+    @property
+    def segment_multiple(self) -> int:
+        """What each sequence of a packed row is padded to: 2*cp (TE THD layout), or 1 at cp 1."""
+        return 2 * self.cp_size if self.cp_size > 1 else 1
 
     def mbs(self) -> int:
         return check_positive_int("micro_batch_size", self.micro_batch_size)

@@ -1,7 +1,9 @@
 """Dynamic batching: group one window's sequences into per-rank microbatches under a token budget.
 
 The plan minimises the modelled step time (``StepPlan.modelled_step_time``): the sum over
-microbatch slots of the slowest rank's priced cost, plus a fixed overhead per slot. In four steps:
+microbatch slots of the slowest rank's modelled time (its priced cost in tokens plus
+attention_weight * rows * L^2 / cp), plus a fixed overhead per slot. The budget stays a memory
+bound in tokens. In four steps:
 
 1. Sort the window by padded length, longest first, so each microbatch holds neighbours in length
    and pads little.
@@ -15,6 +17,8 @@ microbatch slots of the slowest rank's priced cost, plus a fixed overhead per sl
    cost (this ordering minimises the sum of slot maxima for a fixed set of groups); inside a slot
    the most expensive group goes to the least loaded rank, which keeps rank totals even.
 
+``layout="packed"`` plans one packed row per microbatch instead (``packing.py``).
+
 A sequence that alone exceeds the budget becomes a singleton microbatch and is counted, never
 dropped. Everything is a deterministic function of the inputs: ties break on window position.
 """
@@ -26,8 +30,9 @@ import logging
 
 from .args import PlanArgs
 from .buckets import bucket_length
+from .packing import packed
 from .plan import EMPTY_MICROBATCH, Microbatch, StepPlan
-from .pricing import microbatch_cost, round_up
+from .pricing import attention_area, microbatch_cost, round_up
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,10 @@ def dynamic(lengths: list[int], args: PlanArgs) -> StepPlan:
         args.overhead,
         args.bucket_edges,
     )
+    if args.layout == "packed":
+        return packed(lengths, args)
     budget = args.budget()
+    weight = args.attention_weight
 
     # Longest first; padded length is monotone in length, and a stable sort breaks ties on position.
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
@@ -71,7 +79,9 @@ def dynamic(lengths: list[int], args: PlanArgs) -> StepPlan:
 
     best = None
     for cut in (_cut_fill, _cut_ratio):
-        groups = _fill_spare_places(cut(sorted_padded, sorted_lengths, cp, budget, overhead), sorted_padded, cp, dp)
+        groups = _fill_spare_places(
+            cut(sorted_padded, sorted_lengths, cp, budget, overhead, weight), sorted_padded, cp, dp, weight
+        )
         num_slots = -(-len(groups) // dp)
         # groups are most expensive first, so each slot's maximum is its first group.
         step_time = sum(-groups[j * dp][0] for j in range(num_slots)) + overhead * num_slots
@@ -82,12 +92,18 @@ def dynamic(lengths: list[int], args: PlanArgs) -> StepPlan:
     return _assemble(best[1], order, sorted_padded, prefix, args, oversize)
 
 
+def _time(rows: int, padded_len: int, cp: int, weight: float) -> float:
+    """Modelled compute of a padded microbatch: tokens per GPU plus weight * rows * L^2 / cp."""
+    cost = microbatch_cost(rows, padded_len, cp)
+    return cost + weight * attention_area(rows, padded_len) / cp if weight else cost
+
+
 def _row_cap(padded_len: int, cp: int, budget: int) -> int:
     """Rows of this padded length that fit the budget (at least 1: an oversize singleton)."""
     return max(1, budget // microbatch_cost(1, padded_len, cp))
 
 
-def _cut_fill(sorted_padded, sorted_lengths, cp, budget, overhead) -> list[tuple[int, int]]:
+def _cut_fill(sorted_padded, sorted_lengths, cp, budget, overhead, weight) -> list[tuple[int, int]]:
     """Groups [start, end) of the sorted order, each as full as the budget allows."""
     groups, start, n = [], 0, len(sorted_padded)
     while start < n:
@@ -97,11 +113,11 @@ def _cut_fill(sorted_padded, sorted_lengths, cp, budget, overhead) -> list[tuple
     return groups
 
 
-def _cut_ratio(sorted_padded, sorted_lengths, cp, budget, overhead) -> list[tuple[int, int]]:
+def _cut_ratio(sorted_padded, sorted_lengths, cp, budget, overhead, weight) -> list[tuple[int, int]]:
     """Groups whose (cost + overhead) per real token is lowest among the cuts that fit."""
     groups, start, n = [], 0, len(sorted_padded)
     while start < n:
-        per_row = microbatch_cost(1, sorted_padded[start], cp)
+        per_row = _time(1, sorted_padded[start], cp, weight)
         last = min(n, start + _row_cap(sorted_padded[start], cp, budget))
         real, best_end, best_score = 0, start + 1, None
         for end in range(start + 1, last + 1):
@@ -115,25 +131,25 @@ def _cut_ratio(sorted_padded, sorted_lengths, cp, budget, overhead) -> list[tupl
     return groups
 
 
-def _best_split(start: int, end: int, sorted_padded, cp) -> int:
+def _best_split(start: int, end: int, sorted_padded, cp, weight) -> int:
     """Split point of [start, end) that minimises the costlier half (rows stay length-sorted)."""
     best_mid, best_key = start + 1, None
     for mid in range(start + 1, end):
-        a = microbatch_cost(mid - start, sorted_padded[start], cp)
-        b = microbatch_cost(end - mid, sorted_padded[mid], cp)
+        a = _time(mid - start, sorted_padded[start], cp, weight)
+        b = _time(end - mid, sorted_padded[mid], cp, weight)
         key = (max(a, b), abs(a - b))
         if best_key is None or key < best_key:
             best_key, best_mid = key, mid
     return best_mid
 
 
-def _fill_spare_places(groups, sorted_padded, cp, dp) -> list[tuple[int, int, int]]:
+def _fill_spare_places(groups, sorted_padded, cp, dp, weight) -> list[tuple[float, int, int]]:
     """Halve the most expensive multi-row groups until the group count is a multiple of dp.
 
-    Returns (-cost, start, end) most expensive first: a total, deterministic order.
+    Returns (-time, start, end) most expensive first (time: ``_time``, the cost when weight is 0): a total, deterministic order.
     """
     spare = -(-len(groups) // dp) * dp - len(groups)
-    heap = [(-microbatch_cost(e - s, sorted_padded[s], cp), s, e) for s, e in groups]
+    heap = [(-_time(e - s, sorted_padded[s], cp, weight), s, e) for s, e in groups]
     heapq.heapify(heap)
     singles = []
     while spare and heap:
@@ -141,27 +157,36 @@ def _fill_spare_places(groups, sorted_padded, cp, dp) -> list[tuple[int, int, in
         if e - s < 2:
             singles.append((neg_cost, s, e))
             continue
-        mid = _best_split(s, e, sorted_padded, cp)
-        heapq.heappush(heap, (-microbatch_cost(mid - s, sorted_padded[s], cp), s, mid))
-        heapq.heappush(heap, (-microbatch_cost(e - mid, sorted_padded[mid], cp), mid, e))
+        mid = _best_split(s, e, sorted_padded, cp, weight)
+        heapq.heappush(heap, (-_time(mid - s, sorted_padded[s], cp, weight), s, mid))
+        heapq.heappush(heap, (-_time(e - mid, sorted_padded[mid], cp, weight), mid, e))
         spare -= 1
     return sorted(heap + singles)
 
 
 def _assemble(groups, order, sorted_padded, prefix, args: PlanArgs, oversize: int) -> StepPlan:
     """Deal the groups dp at a time into slots; the costliest of a slot to the least loaded rank."""
+    cp = args.cp_size
     microbatches = [
-        Microbatch(indices=tuple(order[s:e]), padded_len=sorted_padded[s], cost=-neg_cost, tokens=prefix[e] - prefix[s])
-        for neg_cost, s, e in groups
+        Microbatch(
+            indices=tuple(order[s:e]),
+            padded_len=sorted_padded[s],
+            cost=microbatch_cost(e - s, sorted_padded[s], cp),
+            tokens=prefix[e] - prefix[s],
+            area=attention_area(e - s, sorted_padded[s]),
+        )
+        for _, s, e in groups
     ]
+    times = [-neg_time for neg_time, _, _ in groups]
+    times += [0] * (-(-len(groups) // args.dp_size) * args.dp_size - len(groups))
     dp = args.dp_size
     num_slots = -(-len(microbatches) // dp)
     microbatches.extend([EMPTY_MICROBATCH] * (num_slots * dp - len(microbatches)))
     ranks: list[list[Microbatch]] = [[] for _ in range(dp)]
     load = [0] * dp
     for slot in range(num_slots):
-        chunk = microbatches[slot * dp : (slot + 1) * dp]
-        for mb, rank in zip(chunk, sorted(range(dp), key=lambda r: (load[r], r))):
-            ranks[rank].append(mb)
-            load[rank] += mb.cost
+        chunk = range(slot * dp, (slot + 1) * dp)
+        for j, rank in zip(chunk, sorted(range(dp), key=lambda r: (load[r], r))):
+            ranks[rank].append(microbatches[j])
+            load[rank] += times[j]
     return StepPlan.assemble(ranks, args, kind="dynamic", budgeted=True, oversize=oversize)

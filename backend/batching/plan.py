@@ -10,15 +10,20 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from .args import DEFAULT_MICROBATCH_OVERHEAD
+from .args import DEFAULT_ATTENTION_WEIGHT, DEFAULT_MICROBATCH_OVERHEAD
+from .pricing import attention_area
 
 
 @dataclass(frozen=True)
 class Microbatch:
     """Sample indices (positions in the window), padded length and priced cost.
 
-    ``padded_len`` is the length every row is right-padded to on this DP rank, before the CP cut;
-    ``cost`` is the tokens one GPU holds (rows * padded_len / cp); ``tokens`` the real tokens.
+    Padded layout: ``padded_len`` is the length every row is right-padded to on this DP rank,
+    before the CP cut. Packed layout (``packed``): the microbatch is ONE row holding its sequences
+    back to back, each padded to a multiple of 2*cp, and ``padded_len`` is that row's total length
+    before the CP cut. ``cost`` is the tokens one GPU holds (rows * padded_len / cp), ``tokens``
+    the real tokens, ``area`` the query x key pairs its attention covers before the CP cut
+    (padded: rows * padded_len^2; packed: the sum of the per-sequence padded lengths squared).
     An empty microbatch (a rank with too few sequences) has no indices and zero everything.
     """
 
@@ -26,25 +31,42 @@ class Microbatch:
     padded_len: int
     cost: int
     tokens: int
+    area: int = 0
+    packed: bool = False
 
     @property
     def is_empty(self) -> bool:
         return not self.indices
 
+    @property
+    def rows(self) -> int:
+        """Rows of the microbatch's tensors: one when packed, one per sequence when padded."""
+        if not self.indices:
+            return 0
+        return 1 if self.packed else len(self.indices)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens after padding, before the CP cut."""
+        return self.rows * self.padded_len
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "indices": list(self.indices),
             "padded_len": self.padded_len,
             "cost": self.cost,
             "tokens": self.tokens,
         }
+        if self.packed:
+            out["layout"] = "packed"
+        return out
 
 
 EMPTY_MICROBATCH = Microbatch(indices=(), padded_len=0, cost=0, tokens=0)
 
 
 def make_microbatch(indices: tuple[int, ...], padded_len: int, lengths, cp_size: int) -> Microbatch:
-    """A microbatch of ``indices`` padded to ``padded_len``, priced per GPU (empty when no indices)."""
+    """A padded microbatch of ``indices`` padded to ``padded_len``, priced per GPU (empty when no indices)."""
     if not indices:
         return EMPTY_MICROBATCH
     return Microbatch(
@@ -52,6 +74,7 @@ def make_microbatch(indices: tuple[int, ...], padded_len: int, lengths, cp_size:
         padded_len=padded_len,
         cost=len(indices) * padded_len // cp_size,
         tokens=sum(lengths[i] for i in indices),
+        area=attention_area(len(indices), padded_len),
     )
 
 
@@ -66,6 +89,8 @@ class StepPlan:
     oversize_singletons: int = 0
     kind: str = "dynamic"
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD
+    attention_weight: float = DEFAULT_ATTENTION_WEIGHT
+    layout: str = "padded"
     _fingerprint: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +109,8 @@ class StepPlan:
             oversize_singletons=oversize,
             kind=kind,
             overhead=args.overhead,
+            attention_weight=args.attention_weight,
+            layout=args.layout,
         )
 
     @property
@@ -98,7 +125,9 @@ class StepPlan:
     def fingerprint(self) -> str:
         """A stable digest of the assignment: identical on every rank and every process."""
         if not self._fingerprint:
-            data = [[[list(mb.indices), mb.padded_len] for mb in rank] for rank in self.ranks]
+            data = [
+                [[list(mb.indices), mb.padded_len, *(["p"] if mb.packed else [])] for mb in rank] for rank in self.ranks
+            ]
             blob = json.dumps(data, separators=(",", ":")).encode()
             object.__setattr__(self, "_fingerprint", hashlib.sha256(blob).hexdigest()[:16])
         return self._fingerprint
@@ -120,33 +149,41 @@ class StepPlan:
     @property
     def padded_tokens(self) -> int:
         """Tokens after padding, over all ranks (before the CP cut)."""
-        return sum(len(mb.indices) * mb.padded_len for rank in self.ranks for mb in rank)
+        return sum(mb.padded_tokens for rank in self.ranks for mb in rank)
 
     @property
     def padding_efficiency(self) -> float:
         padded = self.padded_tokens
         return self.tokens / padded if padded else 1.0
 
-    def slot_costs(self) -> list[int]:
-        """The slowest rank's cost in each microbatch slot."""
-        return [max(rank[j].cost for rank in self.ranks) for j in range(self.num_microbatches)]
+    def microbatch_time(self, mb: Microbatch) -> float:
+        """A microbatch's modelled compute in token-equivalents: its tokens per GPU plus the
+        attention term (attention_weight * area / cp); the per-microbatch overhead is separate."""
+        if not self.attention_weight:
+            return mb.cost
+        return mb.cost + self.attention_weight * mb.area / self.cp_size
+
+    def slot_costs(self) -> list[float]:
+        """The slowest rank's modelled time in each microbatch slot (its cost when attention_weight is 0)."""
+        return [max(self.microbatch_time(rank[j]) for rank in self.ranks) for j in range(self.num_microbatches)]
 
     @property
-    def modelled_step_time(self) -> int:
-        """Sum over slots of the slowest rank's cost plus a fixed overhead per slot (tokens)."""
+    def modelled_step_time(self) -> float:
+        """Sum over slots of the slowest rank's modelled time plus a fixed overhead per slot
+        (token-equivalents; an integer when attention_weight is 0)."""
         return sum(self.slot_costs()) + self.overhead * self.num_microbatches
 
     @property
     def rank_imbalance(self) -> float:
-        """Slowest rank's total cost over the mean, minus one (0 = perfectly balanced)."""
-        totals = [sum(mb.cost for mb in rank) for rank in self.ranks]
+        """Slowest rank's total modelled time over the mean, minus one (0 = perfectly balanced)."""
+        totals = [sum(self.microbatch_time(mb) for mb in rank) for rank in self.ranks]
         mean = sum(totals) / len(totals)
         return max(totals) / mean - 1.0 if mean else 0.0
 
     @property
     def distinct_shapes(self) -> int:
         """Distinct (rows, padded_len) tensor shapes: what a compiler or CUDA graph keys on."""
-        return len({(len(mb.indices), mb.padded_len) for rank in self.ranks for mb in rank if mb.indices})
+        return len({(mb.rows, mb.padded_len) for rank in self.ranks for mb in rank if mb.indices})
 
     @property
     def empty_microbatches(self) -> int:
@@ -169,7 +206,7 @@ class StepPlan:
         """Real over padded tokens on each DP rank (1.0 for a rank with only empty microbatches)."""
         out = []
         for rank in self.ranks:
-            padded = sum(len(mb.indices) * mb.padded_len for mb in rank)
+            padded = sum(mb.padded_tokens for mb in rank)
             out.append(sum(mb.tokens for mb in rank) / padded if padded else 1.0)
         return out
 
@@ -177,6 +214,7 @@ class StepPlan:
         """The plan's diagnostics, as logged every step and printed by the simulator."""
         return {
             "kind": self.kind,
+            "layout": self.layout,
             "num_microbatches": self.num_microbatches,
             "num_sequences": self.num_sequences,
             "tokens": self.tokens,
@@ -202,6 +240,7 @@ class StepPlan:
             "max_tokens_per_gpu": self.max_tokens_per_gpu,
             "pad_multiple": self.pad_multiple,
             "kind": self.kind,
+            "layout": self.layout,
             "oversize_singletons": self.oversize_singletons,
             "ranks": [[mb.to_dict() for mb in rank] for rank in self.ranks],
         }

@@ -30,6 +30,11 @@ def microbatch_cost(num_sequences: int, padded_len: int, cp_size: int) -> int:
     return num_sequences * padded_len // cp_size
 
 
+def attention_area(num_sequences: int, padded_len: int) -> int:
+    """Query x key pairs a padded microbatch's attention covers (before the CP cut): rows * L^2."""
+    return num_sequences * padded_len * padded_len
+
+
 def check_positive_int(name: str, value: object) -> int:
     """Reject bools, floats and non-positive values with a ValueError that names the argument."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -2,18 +2,28 @@
 
 Arms (all on the same windows, alternating every step, one model): ``mbs1`` (fixed micro-batch
 size 1), ``fixed_safe`` (the largest fixed size whose worst case, rows of the longest possible
-sequence, fits the budget) and ``dynamic``.
+sequence, fits the budget), ``sort_and_stride`` (the greedy baseline, padded), ``dynamic``
+(this planner, padded rows) and ``dynamic_packed`` (this planner, packed rows). With
+``compare_weight`` two more arms plan the dynamic layouts with attention weight 0 (tokens only).
+
+Per arm: the measured step time, the modelled one, and the measured rank imbalance: per
+microbatch slot the slowest rank's compute over the ranks' mean (compute = the process's CPU
+time of the microbatch's forward and backward on CPU, where waiting in a collective costs none;
+wall time on GPU), summed over slots: sum_j max_r t_rj / sum_j mean_r t_rj - 1.
 
 The explanation is a cost model calibrated before the arms run, on microbatches of chosen shapes:
 a microbatch of n rows padded to L costs c0 + c1 * n*L + c2 * n*L^2 seconds (launches and
 data-parallel all-gathers; token-linear work; attention), plus t_step per step (the last
-gradient sync, clipping, the optimizer). Each arm's step time then splits into compute on real
+gradient sync, clipping, the optimizer). Packed rows are fitted separately (the per-sequence
+kernels differ): a row of sequences l_i costs c0' + c1' * sum(l_i) + c2' * sum(l_i^2). Each arm's step time then splits into compute on real
 tokens, compute on padding and per-microbatch overhead, and the predicted speedup is the ratio
-of the predicted step times. The planner's own overhead knob is set to c0 / c1 tokens.
+of the predicted step times. The planner's own knobs are set from the fit: overhead c0 / c1
+tokens, attention weight c2 / c1 (packed: c2' / c1') token-equivalents per token x length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -21,12 +31,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backend.batching import DEFAULT_MICROBATCH_OVERHEAD, Microbatch, StepPlan, plan_dynamic, plan_fixed, round_up
+from backend.batching import (
+    DEFAULT_MICROBATCH_OVERHEAD,
+    Microbatch,
+    StepPlan,
+    plan_dynamic,
+    plan_fixed,
+    plan_sort_and_stride,
+    round_up,
+)
 from backend.data.collate import collate
 from backend.data.iterator import StepData, collate_plan
 from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
-from backend.distributed.collectives import dist_max
+from backend.distributed.collectives import all_gather_objects, dist_max
 from backend.distributed.fsdp import set_grad_sync
 from backend.train.step import microbatch_loss_sum, train_step
 
@@ -38,13 +56,15 @@ CPU_SETS = {
     "short": ("short", 8192, 192, 4096),  # mean about 190 tokens, at most 512
     "rl_longtail": ("rl_longtail", 2048, 48, 8192),  # RL rollouts, 15% at the cap
     "embedded": ("embedded", 1024, 64, 8192),  # the embedded data set's real lengths
+    "longtail4k": ("rl_longtail", 4096, 48, 8192),  # RL rollouts up to 4k: attention-aware pricing
 }
 GPU_SETS = {
     "short": ("short", 8192, 512, 16384),
     "rl_longtail": ("rl_longtail", 8192, 128, 16384),
     "embedded": ("embedded", 4096, 256, 16384),
 }
-ARMS = ("mbs1", "fixed_safe", "dynamic")
+ARMS = ("mbs1", "fixed_safe", "sort_and_stride", "dynamic", "dynamic_packed")
+WEIGHT0_ARMS = ("dynamic_w0", "dynamic_packed_w0")
 
 
 def _sync(env) -> None:
@@ -61,8 +81,29 @@ def _random_samples(lengths, rng) -> list[Sample]:
     return [Sample(tokens=rng.integers(0, 256, size=n)) for n in lengths]
 
 
+def _fit(xs, ys) -> tuple[float, float, float]:
+    # Relative least squares: a 1 ms microbatch must fit as well as a 1 s one, or the intercept
+    # (the per-microbatch overhead that dynamic batching saves) is lost in the large shapes' noise.
+    x, y = np.array(xs), np.array(ys)
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    c0, c1, c2 = (max(0.0, float(c)) for c in coef)
+    return c0, c1, c2
+
+
+def _time_microbatch(model, mb, env, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        _sync(env)
+        start = time.perf_counter()
+        microbatch_loss_sum(model, mb, env).backward()
+        _sync(env)
+        times.append(_max_over_ranks(time.perf_counter() - start, env))
+    return statistics.median(times[1:])
+
+
 def calibrate(model, env, *, max_tokens: int, max_len: int, repeats: int = 3, seed: int = 0) -> dict:
-    """Fit c0, c1, c2 from timed forward+backward of microbatches of chosen shapes; time t_step."""
+    """Fit c0, c1, c2 from timed forward+backward of microbatches of chosen shapes (padded rows,
+    then the same sequences as one packed row); t_step is measured separately."""
     rng = np.random.default_rng(seed)
     shapes = []
     length = 8
@@ -71,33 +112,31 @@ def calibrate(model, env, *, max_tokens: int, max_len: int, repeats: int = 3, se
             if rows * length <= max_tokens:
                 shapes.append((rows, length))
         length *= 2
-    xs, ys = [], []
+    xs, ys, pys = [], [], []
     model.train()
     set_grad_sync(model, False)
     for rows, length in shapes:
         samples = _random_samples([length] * rows, rng)
-        mb = collate(samples, list(range(rows)), Microbatch(tuple(range(rows)), length, rows * length, rows * length))
-        times = []
-        for _ in range(repeats + 1):
-            _sync(env)
-            start = time.perf_counter()
-            microbatch_loss_sum(model, mb, env).backward()
-            _sync(env)
-            times.append(_max_over_ranks(time.perf_counter() - start, env))
+        ids = tuple(range(rows))
+        padded = collate(samples, list(ids), Microbatch(ids, length, rows * length, rows * length))
+        packed = collate(samples, list(ids), Microbatch(ids, rows * length, rows * length, rows * length, packed=True))
         xs.append((1.0, rows * length, rows * length**2))
-        ys.append(statistics.median(times[1:]))
+        ys.append(_time_microbatch(model, padded, env, repeats))
+        pys.append(_time_microbatch(model, packed, env, repeats))
     model.zero_grad(set_to_none=True)
-    # Relative least squares: a 1 ms microbatch must fit as well as a 1 s one, or the intercept
-    # (the per-microbatch overhead that dynamic batching saves) is lost in the large shapes' noise.
-    x, y = np.array(xs), np.array(ys)
-    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    c0, c1, c2 = (max(0.0, float(c)) for c in coef)
+    c0, c1, c2 = _fit(xs, ys)
+    p0, p1, p2 = _fit(xs, pys)
     return {
         "c0_s": c0,
         "c1_s_per_token": c1,
         "c2_s_per_token_len": c2,
+        "packed_c0_s": p0,
+        "packed_c1_s_per_token": p1,
+        "packed_c2_s_per_token_len": p2,
         "shapes": len(shapes),
         "overhead_tokens": int(round(c0 / c1)) if c1 > 0 else DEFAULT_MICROBATCH_OVERHEAD,
+        "attention_weight": c2 / c1 if c1 > 0 else 0.0,
+        "packed_attention_weight": p2 / p1 if p1 > 0 else 0.0,
     }
 
 
@@ -105,13 +144,13 @@ def _mb_parts(mb: Microbatch, lengths: list[int], cal: dict) -> tuple[float, flo
     """(real, padding, overhead) seconds of one microbatch under the calibrated model."""
     if not mb.indices:
         return 0.0, 0.0, cal["c0_s"]
-    c1, c2 = cal["c1_s_per_token"], cal["c2_s_per_token_len"]
-    n, L = len(mb.indices), mb.padded_len
+    pre = "packed_" if mb.packed else ""
+    c0, c1, c2 = cal[f"{pre}c0_s"], cal[f"{pre}c1_s_per_token"], cal[f"{pre}c2_s_per_token_len"]
     real_tokens = sum(lengths[i] for i in mb.indices)
     real_attn = sum(lengths[i] ** 2 for i in mb.indices)
     real = c1 * real_tokens + c2 * real_attn
-    padded = c1 * n * L + c2 * n * L * L
-    return real, padded - real, cal["c0_s"]
+    padded = c1 * mb.padded_tokens + c2 * mb.area
+    return real, padded - real, c0
 
 
 def breakdown(plan: StepPlan, lengths: list[int], cal: dict, t_step: float) -> dict:
@@ -120,29 +159,64 @@ def breakdown(plan: StepPlan, lengths: list[int], cal: dict, t_step: float) -> d
     Ranks meet at every microbatch (FSDP all-gathers), so each slot lasts as long as its slowest rank.
     """
     real = pad = over = 0.0
+    slot_max = slot_mean = 0.0
     for j in range(plan.num_microbatches):
         parts = [_mb_parts(rank[j], lengths, cal) for rank in plan.ranks]
         slowest = max(parts, key=sum)
         real, pad, over = real + slowest[0], pad + slowest[1], over + slowest[2]
+        compute = [p[0] + p[1] for p in parts]
+        slot_max, slot_mean = slot_max + max(compute), slot_mean + sum(compute) / len(compute)
     return {
         "real_compute_s": real,
         "padding_compute_s": pad,
         "overhead_s": over + t_step,
         "predicted_step_time_s": real + pad + over + t_step,
+        "modelled_rank_imbalance": slot_max / slot_mean - 1.0 if slot_mean else 0.0,
     }
 
 
-def make_arms(lengths: list[int], *, dp: int, cap: int, budget: int, overhead: int) -> dict[str, StepPlan]:
+def make_arms(
+    lengths: list[int], *, dp: int, cap: int, budget: int, cal: dict, compare_weight: bool = False
+) -> dict[str, StepPlan]:
     safe = max(1, budget // round_up(cap, 1))
-    return {
+    overhead = cal["overhead_tokens"]
+    common = dict(dp_size=dp, max_tokens_per_gpu=budget, overhead=overhead)
+    arms = {
         "mbs1": plan_fixed(lengths, dp_size=dp, micro_batch_size=1),
         "fixed_safe": plan_fixed(lengths, dp_size=dp, micro_batch_size=safe),
-        "dynamic": plan_dynamic(lengths, dp_size=dp, max_tokens_per_gpu=budget, overhead=overhead),
+        "sort_and_stride": plan_sort_and_stride(lengths, **common),
+        "dynamic": plan_dynamic(lengths, attention_weight=cal["attention_weight"], **common),
+        "dynamic_packed": plan_dynamic(
+            lengths, layout="packed", attention_weight=cal["packed_attention_weight"], **common
+        ),
     }
+    if compare_weight:
+        arms["dynamic_w0"] = plan_dynamic(lengths, **common)
+        arms["dynamic_packed_w0"] = plan_dynamic(lengths, layout="packed", **common)
+    return arms
+
+
+def _imbalance(times: list[list[float]]) -> tuple[float, float]:
+    """(sum over slots of the slowest rank's time, sum over slots of the ranks' mean time)."""
+    slots = len(times[0])
+    slot_max = sum(max(rank[j] for rank in times) for j in range(slots))
+    slot_mean = sum(sum(rank[j] for rank in times) / len(times) for j in range(slots))
+    return slot_max, slot_mean
 
 
 def run_set(
-    model, optimizer, scheduler, env, name: str, spec: tuple, cal: dict, *, steps: int, warmup: int, seed: int
+    model,
+    optimizer,
+    scheduler,
+    env,
+    name: str,
+    spec: tuple,
+    cal: dict,
+    *,
+    steps: int,
+    warmup: int,
+    seed: int,
+    compare_weight: bool = False,
 ) -> dict:
     generator, cap, gbs, budget = spec
     rng = np.random.default_rng(seed)
@@ -151,13 +225,18 @@ def run_set(
     samples = _random_samples([n for w in windows for n in w], rng)
     dataset = InMemoryDataset(samples, source=name)
     # t_step: a one-row step minus that row's microbatch time (grad sync, clip, optimizer).
-    records = {arm: {"time": [], "peak": [], "shapes": set(), "pred": [], "parts": []} for arm in ARMS}
+    arm_names = ARMS + (WEIGHT0_ARMS if compare_weight else ())
+    records = {
+        arm: {"time": [], "peak": [], "shapes": set(), "pred": [], "parts": [], "imb": [0.0, 0.0]} for arm in arm_names
+    }
+    clock = time.process_time if env.device.type == "cpu" else time.perf_counter
     offset = 0
     for step, lengths in enumerate(windows):
         ids = np.arange(offset, offset + len(lengths))
         offset += len(lengths)
-        plans = make_arms(lengths, dp=env.dp_size, cap=cap, budget=budget, overhead=cal["overhead_tokens"])
-        order = ARMS[step % 3 :] + ARMS[: step % 3]  # alternate which arm goes first
+        plans = make_arms(lengths, dp=env.dp_size, cap=cap, budget=budget, cal=cal, compare_weight=compare_weight)
+        shift = step % len(arm_names)
+        order = arm_names[shift:] + arm_names[:shift]  # alternate which arm goes first
         for arm in order:
             plan = plans[arm]
             data = StepData(
@@ -167,6 +246,15 @@ def run_set(
                 int(sum(n - 1 for n in lengths)),
             )
             meter = SavedActivationMeter() if env.device.type == "cpu" else None
+            marks: list[float] = []
+
+            def hook(j, meter=meter, marks=marks):
+                marks.append(clock())
+                return meter.microbatch(j) if meter is not None else contextlib.nullcontext()
+
+            def done(j, marks=marks):
+                marks[-1] = clock() - marks[-1]
+
             _sync(env)
             if env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(env.device)
@@ -179,7 +267,8 @@ def run_set(
                 env,
                 clip_grad=1.0,
                 step=step,
-                microbatch_hook=meter.microbatch if meter is not None else None,
+                microbatch_hook=hook,
+                microbatch_done=done,
             )
             _sync(env)
             elapsed = _max_over_ranks(time.perf_counter() - start, env)
@@ -189,7 +278,10 @@ def run_set(
             r = records[arm]
             r["time"].append(elapsed)
             r["peak"].append(_max_over_ranks(float(peak), env))
-            r["shapes"] |= {(len(mb.indices), mb.padded_len) for rank in plan.ranks for mb in rank if mb.indices}
+            slot_max, slot_mean = _imbalance(all_gather_objects(marks))
+            r["imb"][0] += slot_max
+            r["imb"][1] += slot_mean
+            r["shapes"] |= {(mb.rows, mb.padded_len) for rank in plan.ranks for mb in rank if mb.indices}
             parts = breakdown(plan, lengths, cal, cal["t_step_s"])
             r["pred"].append(parts["predicted_step_time_s"])
             r["parts"].append(parts)
@@ -207,6 +299,10 @@ def run_set(
             "peak_memory_bytes": int(max(r["peak"])),
             "distinct_shapes": len(r["shapes"]),
             **mean_parts,
+            "measured_rank_imbalance": r["imb"][0] / r["imb"][1] - 1.0 if r["imb"][1] else 0.0,
+            "modelled_rank_imbalance": mean_parts["modelled_rank_imbalance"],
+            "speedup_vs_mbs1": _paired(records, "mbs1", arm),
+            "predicted_speedup_vs_mbs1": arms_pred(records, "mbs1", arm),
         }
     paired = [a / b for a, b in zip(records["mbs1"]["time"], records["dynamic"]["time"])]
     return {
@@ -220,8 +316,25 @@ def run_set(
         ),
         "predicted_speedup": arms["mbs1"]["predicted_step_time_s"] / arms["dynamic"]["predicted_step_time_s"],
         "padding_efficiency": arms["dynamic"]["padding_efficiency"],
+        "packed_padding_efficiency": arms["dynamic_packed"]["padding_efficiency"],
+        "packed_vs_padded": _paired(records, "dynamic", "dynamic_packed"),
+        "predicted_packed_vs_padded": arms_pred(records, "dynamic", "dynamic_packed"),
+        "dynamic_vs_sort_and_stride": _paired(records, "sort_and_stride", "dynamic"),
+        "packed_vs_sort_and_stride": _paired(records, "sort_and_stride", "dynamic_packed"),
+        "predicted_dynamic_vs_sort_and_stride": arms_pred(records, "sort_and_stride", "dynamic"),
+        "predicted_packed_vs_sort_and_stride": arms_pred(records, "sort_and_stride", "dynamic_packed"),
         "arms": arms,
     }
+
+
+def _paired(records: dict, ref: str, arm: str) -> float:
+    """Median over steps of ref's step time over arm's (paired on the same window)."""
+    return statistics.median(a / b for a, b in zip(records[ref]["time"], records[arm]["time"]))
+
+
+def arms_pred(records: dict, ref: str, arm: str) -> float:
+    """The same ratio from the cost model's predicted step times."""
+    return statistics.mean(records[ref]["pred"]) / statistics.mean(records[arm]["pred"])
 
 
 def measure_t_step(model, optimizer, scheduler, env, cal: dict, repeats: int = 3) -> float:

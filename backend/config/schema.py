@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from backend.batching import DEFAULT_MICROBATCH_OVERHEAD
+from backend.batching import DEFAULT_ATTENTION_WEIGHT, DEFAULT_MICROBATCH_OVERHEAD, LAYOUTS
 
 # Core attention kernels (backend.model.attention); "auto" picks one of them and logs why.
 ATTENTION_KERNELS = ("te", "flex", "sdpa")
@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("auto", *ATTENTION_KERNELS)
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
+BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
 DP_WRAPPERS = ("fsdp",)
 
 
@@ -187,6 +188,14 @@ class TrainConfig:
     dynamic_batch_max_shapes: int = 0
     # Fixed cost of one microbatch in the planner's step-time model, in tokens.
     dynamic_batch_overhead: int = DEFAULT_MICROBATCH_OVERHEAD
+    # padded: rows right-padded to the microbatch's longest. packed: one row of the microbatch's
+    # sequences back to back (positions restart per sequence, attention within a sequence only),
+    # each padded to a multiple of 2*cp; pad_to_multiple / max_shapes then bound the row's length.
+    dynamic_batch_layout: str = "padded"
+    # Attention term of the planner's step-time model, in token-equivalents per token x length
+    # (padded: rows * L^2 / cp; packed: sum of l_i^2 / cp). 0 prices tokens only (the previous
+    # planner, exactly); tools/bench_train.py prints the value measured for a machine and model.
+    dynamic_batch_attention_weight: float = DEFAULT_ATTENTION_WEIGHT
     # Budget for forward-only passes (log-probabilities); 0 means max_tokens_per_gpu.
     forward_max_tokens_per_gpu: int = 0
     # Optimizer steps to run.

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from backend.batching import smallest_budget
 
 from .load import ConfigError
 from .schema import (
     ATTENTION_BACKENDS,
+    BATCH_LAYOUTS,
     DECAY_STYLES,
     DP_WRAPPERS,
     OVERLONG_POLICIES,
@@ -21,6 +24,7 @@ from .schema import (
 _CHOICES = {
     "model.attention_backend": ATTENTION_BACKENDS,
     "data.overlong": OVERLONG_POLICIES,
+    "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
     "logger.wandb.mode": WANDB_MODES,
     "parallel.data_parallel_wrapper": DP_WRAPPERS,
@@ -60,6 +64,7 @@ _NON_NEGATIVE = (
     "model.moe_aux_loss_coeff",
     "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
+    "train.dynamic_batch_attention_weight",
     "train.dynamic_batch_max_shapes",
     "train.forward_max_tokens_per_gpu",
     "train.eval_interval",
@@ -103,7 +108,7 @@ def _rope_errors(m) -> list[str]:
     return errors
 
 
-def _moe_attention_errors(m) -> list[str]:
+def _moe_attention_errors(m, layout: str) -> list[str]:
     """GPT-OSS keys: experts and top-k, the per-layer window list, kernels that carry sinks/windows."""
     errors = []
     if m.num_moe_experts:
@@ -131,8 +136,15 @@ def _moe_attention_errors(m) -> list[str]:
         what = "model.attention_sinks" if m.attention_sinks else "model.sliding_window"
         if m.attention_backend == "te":
             errors.append(f"{what}: model.attention_backend=te does not carry sinks/windows yet (use flex or sdpa)")
-        if getattr(m, "attention_layout", "padded") != "padded":
-            errors.append(f"{what}: only the padded attention layout carries sinks/windows for now")
+        if layout != "padded":
+            errors.append(
+                f"{what}: train.dynamic_batch_layout={layout!r}: only the padded layout carries sinks/windows for now"
+            )
+    if m.num_moe_experts and layout != "padded":
+        errors.append(
+            f"model.num_moe_experts: train.dynamic_batch_layout={layout!r}: the per-sample router statistics need "
+            "one sample per row (padded) for now"
+        )
     return errors
 
 
@@ -158,7 +170,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if head_dim % 2:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
-    errors += _moe_attention_errors(m)
+    errors += _moe_attention_errors(m, cfg.train.dynamic_batch_layout)
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
@@ -167,6 +179,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(f"data.valid_fraction={cfg.data.valid_fraction}: must be in [0, 1)")
     if not 0 < m.norm_epsilon < 1:
         errors.append(f"model.norm_epsilon={m.norm_epsilon}: must be in (0, 1) (1e-6 Qwen, 1e-5 Llama)")
+    if not math.isfinite(t.dynamic_batch_attention_weight):
+        errors.append(
+            f"train.dynamic_batch_attention_weight={t.dynamic_batch_attention_weight}: must be a finite number"
+        )
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr}: must be > 0")
     if not 0 <= o.min_lr <= o.lr:

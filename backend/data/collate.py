@@ -3,6 +3,12 @@
 Context parallelism splits each padded row into 2*cp chunks; CP rank i keeps chunks i and
 2cp-1-i, so every CP rank gets the same share of causal-attention work. Position ids are cut the
 same way and stay global.
+
+A packed microbatch (``Microbatch.packed``) is one row: its sequences back to back, each padded
+to a multiple of 2*cp (the row's tail padding joins the last), positions restarting at 0 per
+sequence, no label across a sequence boundary. Under CP every SEQUENCE is cut into 2*cp chunks
+and rank i keeps chunks i and 2cp-1-i of each (Transformer Engine's THD layout). The tensors
+carry the segment facts attention needs: per-token sequence ids and cu_seqlens (real and padded).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backend.batching import Microbatch
+from backend.batching import Microbatch, cp_ranges, segment_lengths
 
 from .sample import Sample
 
@@ -30,6 +36,15 @@ class MicrobatchTensors:
     seq_lengths: torch.Tensor  # int64 [rows] real lengths before padding
     sample_ids: torch.Tensor  # int64 [rows] dataset indices
     padded_len: int  # row length before the CP cut
+    # Packed layout only (None when padded): per-token sequence index [1, s_local], and the
+    # cumulative real and per-sequence padded lengths of the whole row [n + 1] (int32).
+    segment_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_padded: torch.Tensor | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.segment_ids is not None
 
     @property
     def is_empty(self) -> bool:
@@ -72,7 +87,10 @@ def cp_unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 def collate(
     samples: list[Sample], sample_ids: list[int], mb: Microbatch, *, cp_rank: int = 0, cp_size: int = 1
 ) -> MicrobatchTensors:
-    """Right-pad ``samples`` to ``mb.padded_len`` and cut this CP rank's chunks."""
+    """Right-pad ``samples`` to ``mb.padded_len`` and cut this CP rank's chunks (or, for a packed
+    microbatch, lay them out back to back in one row: ``collate_packed``)."""
+    if mb.packed:
+        return collate_packed(samples, sample_ids, mb, cp_rank=cp_rank, cp_size=cp_size)
     rows, length = len(samples), mb.padded_len
     tokens = np.zeros((rows, length), dtype=np.int64)
     labels = np.zeros((rows, length), dtype=np.int64)
@@ -107,4 +125,66 @@ def collate(
         seq_lengths=torch.from_numpy(seq_lengths),
         sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
         padded_len=length,
+    )
+
+
+def packed_cp_index(segments: list[int], cp_rank: int, cp_size: int) -> np.ndarray:
+    """Row offsets this CP rank holds of a packed row, in local order (every sequence's chunks
+    cp_rank and 2cp-1-cp_rank)."""
+    ranges = cp_ranges(segments, cp_size, cp_rank)
+    return np.concatenate([np.arange(s, e) for s, e in ranges]) if ranges else np.zeros(0, dtype=np.int64)
+
+
+def packed_cp_unshard(parts: list[torch.Tensor], segments: list[int], dim: int = 1) -> torch.Tensor:
+    """Inverse of the packed CP cut over all CP ranks' parts (gathering outputs, tests)."""
+    cp_size = len(parts)
+    index = np.concatenate([packed_cp_index(segments, r, cp_size) for r in range(cp_size)])
+    inverse = torch.from_numpy(np.argsort(index, kind="stable"))
+    return torch.cat(parts, dim=dim).index_select(dim, inverse.to(parts[0].device))
+
+
+def collate_packed(
+    samples: list[Sample], sample_ids: list[int], mb: Microbatch, *, cp_rank: int = 0, cp_size: int = 1
+) -> MicrobatchTensors:
+    """One row of ``samples`` back to back (``mb.padded_len`` long), then this CP rank's chunks."""
+    lengths = [len(s.tokens) for s in samples]
+    segments = segment_lengths(lengths, cp_size, mb.padded_len)
+    length = mb.padded_len
+    tokens = np.zeros(length, dtype=np.int64)
+    labels = np.zeros(length, dtype=np.int64)
+    loss_mask = np.zeros(length, dtype=np.float32)
+    loss_weight = np.zeros(length, dtype=np.float32)
+    valid = np.zeros(length, dtype=bool)
+    positions = np.zeros(length, dtype=np.int64)
+    seq_ids = np.zeros(length, dtype=np.int64)
+    offset = 0
+    for i, (s, n, seg) in enumerate(zip(samples, lengths, segments)):
+        tokens[offset : offset + n] = s.tokens
+        labels[offset : offset + n - 1] = s.tokens[1:]  # the last token predicts nothing
+        target = np.ones(n - 1, dtype=np.float32) if s.loss_mask is None else s.loss_mask[1:].astype(np.float32)
+        loss_mask[offset : offset + n - 1] = target
+        weight = np.ones(n - 1, dtype=np.float32) if s.loss_weight is None else s.loss_weight[1:]
+        loss_weight[offset : offset + n - 1] = target * weight
+        valid[offset : offset + n] = True
+        positions[offset : offset + seg] = np.arange(seg)
+        seq_ids[offset : offset + seg] = i
+        offset += seg
+    index = packed_cp_index(segments, cp_rank, cp_size) if cp_size > 1 else slice(None)
+
+    def cut(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a[index])).unsqueeze(0)
+
+    return MicrobatchTensors(
+        tokens=cut(tokens),
+        labels=cut(labels),
+        loss_mask=cut(loss_mask),
+        loss_weight=cut(loss_weight),
+        position_ids=cut(positions),
+        valid=cut(valid),
+        seq_lengths=torch.tensor(lengths, dtype=torch.int64),
+        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+        padded_len=length,
+        segment_ids=cut(seq_ids),
+        cu_seqlens=torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor(np.cumsum([0, *segments]), dtype=torch.int32),
     )

@@ -31,7 +31,8 @@ def planner_from_config(
     train_cfg, *, dp_size: int, cp_size: int, forward: bool = False, bucket_edges: list[int] | None = None
 ) -> Planner:
     """The training planner (dynamic under train.max_tokens_per_gpu when train.dynamic_batch_enable,
-    else fixed train.micro_batch_size), or with ``forward=True`` the forward-only planner: dynamic
+    else fixed train.micro_batch_size), both in train.dynamic_batch_layout (padded or packed) and
+    priced with train.dynamic_batch_attention_weight, or with ``forward=True`` the forward-only planner: dynamic
     under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu). A forward budget of
     0 is an error, not a silent fixed plan."""
     args = dict(
@@ -39,6 +40,8 @@ def planner_from_config(
         cp_size=cp_size,
         pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
         overhead=train_cfg.dynamic_batch_overhead,
+        layout=train_cfg.dynamic_batch_layout,
+        attention_weight=float(train_cfg.dynamic_batch_attention_weight),
     )
     if forward:
         budget = train_cfg.forward_max_tokens_per_gpu or train_cfg.max_tokens_per_gpu

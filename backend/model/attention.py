@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from backend.config.schema import ATTENTION_KERNELS
 from backend.megatron_compat import import_megatron_module, te_status
 
-from . import sinks_windows
+from . import packed_attention, sinks_windows
 from .rope import Rope
 from .sinks_windows import layer_window
 
@@ -76,7 +76,16 @@ class AttentionContext:
     positions: torch.Tensor  # [b, s_local] int64 global positions of this rank's tokens
     valid: torch.Tensor  # [b, s_local] bool, False at right padding
     cp_group: object = None
+    # Packed layout only (b = 1; see packed_attention): the sequence each token belongs to, and
+    # cumulative real / per-sequence padded lengths over the whole row (before the CP cut).
+    segment_ids: torch.Tensor | None = None  # [1, s_local] int64
+    cu_seqlens: torch.Tensor | None = None  # [n + 1] int32
+    cu_seqlens_padded: torch.Tensor | None = None  # [n + 1] int32
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.segment_ids is not None
 
     def cached(self, key, build: Callable[[], object]):
         """``build()`` once per microbatch under ``key``, then the stored value."""
@@ -120,6 +129,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def sdpa_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
+    if ctx.is_packed:  # one SDPA per sequence: cost sum(l_i^2), never a (total x total) mask
+        return packed_attention.sdpa_packed(q, k, v, ctx, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.dense_mask(), scale=scale, enable_gqa=True)
 
 
@@ -144,28 +155,17 @@ def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
         return create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128)
 
     fn = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU (forward only)
-    return fn(q, k, v, block_mask=ctx.cached("block_mask", build), scale=scale, enable_gqa=True)
+    if ctx.is_packed:  # document mask: cross-sequence blocks are skipped
+        block_mask = packed_attention.flex_packed_block_mask(ctx, q, k)
+    else:
+        block_mask = ctx.cached("block_mask", build)
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
-    import transformer_engine.pytorch as te
-
-    attn = te.DotProductAttention(
-        num_heads,
-        head_dim,
-        num_gqa_groups=num_kv,
-        attention_dropout=0.0,
-        qkv_format="bshd",
-        attn_mask_type="arbitrary",
-        softmax_scale=scale,
-    )
-
-    def kernel(q, k, v, ctx: AttentionContext, _scale: float) -> torch.Tensor:
-        # TE takes [b, s, h, d] and a mask that is True where attention is NOT allowed.
-        out = attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask=~ctx.dense_mask())
-        return out.view(q.shape[0], q.shape[2], num_heads, head_dim).transpose(1, 2)
-
-    return attn, kernel
+    """Transformer Engine: THD for packed rows, padding_causal / two bottom-right calls per layer
+    for padded ones (see packed_attention); never the arbitrary-mask unfused fallback."""
+    return packed_attention.te_kernel_factory(num_heads, num_kv, head_dim, scale)
 
 
 _KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel}
@@ -251,7 +251,8 @@ def core_attention_class(backend: str) -> type:
             s, b = query.shape[0], query.shape[1]
             cos, sin = ctx.rope(self.rope_spec, query.dtype)
             query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-            key, value = gather_cp(key, ctx.cp_group), gather_cp(value, ctx.cp_group)
+            if not getattr(self.kernel, "local_kv", False):  # te gathers (or lets TE exchange) itself
+                key, value = gather_cp(key, ctx.cp_group), gather_cp(value, ctx.cp_group)
             # [s, b, h, d] -> [b, h, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             if self.softmax_offset is not None:

@@ -175,14 +175,18 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
     return model
 
 
-def token_losses(model, tokens, labels, positions, valid, *, cp_group=None, route_rows=None) -> torch.Tensor:
+def token_losses(
+    model, tokens, labels, positions, valid, *, cp_group=None, route_rows=None, segments: dict | None = None
+) -> torch.Tensor:
     """Per-position cross-entropy [b, s] (FP32), computed by megatron-core from the labels.
 
     MoE models also get ``padding_mask`` (True at padding, megatron-core's convention), so padding
     never enters megatron-core's own router bookkeeping; ours (``moe_stats``) reads ``valid`` and
     ``route_rows`` ([b] bool, False for rows that must not count: the zero-weight placeholder).
+    ``segments`` (packed rows): ``segment_ids``, ``cu_seqlens``, ``cu_seqlens_padded`` for the
+    attention context, so attention stays within each packed sequence.
     """
-    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group)
+    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group, **(segments or {}))
     if getattr(model, "_moe_routers", None):
         from .moe_stats import routing_context
 

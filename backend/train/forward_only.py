@@ -1,7 +1,8 @@
 """Forward-only passes: per-token log-probabilities of many samples under a token budget.
 
 Used for reference/old-policy log-probs in RL and for evaluation. Samples are planned with the
-forward budget (``train.forward_max_tokens_per_gpu``), right-padded, run, cropped back to each
+forward budget (``train.forward_max_tokens_per_gpu``), right-padded (or packed, as the planner
+says), run, cropped back to each
 sample's length and returned in the caller's order on every rank.
 """
 
@@ -10,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.data.collate import collate, cp_unshard
+from backend.data.collate import collate, cp_unshard, packed_cp_unshard
 from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 from backend.model.builder import token_losses
 
-from .step import placeholder_microbatch
+from .step import microbatch_token_losses, placeholder_microbatch
 
 
 @torch.no_grad()
@@ -33,7 +34,16 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
             [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
         batch = batch.to(env.device)
-        logp = -token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
+        logp = -microbatch_token_losses(model, batch, env.cp_group)
+        if batch.is_packed:  # one row: sequence i's targets start at its padded offset
+            offsets = batch.cu_seqlens_padded.tolist()
+            if env.cp_size > 1:
+                segments = [b - a for a, b in zip(offsets, offsets[1:])]
+                logp = packed_cp_unshard(all_gather_tensors(logp, env.cp_group), segments)
+            logp = logp[0].cpu().numpy()
+            for offset, index in zip(offsets, mb.indices):
+                mine[index] = logp[offset : offset + len(samples[index].tokens) - 1].copy()
+            continue
         if env.cp_size > 1:
             logp = cp_unshard(all_gather_tensors(logp, env.cp_group))
         logp = logp.cpu().numpy()

@@ -80,6 +80,7 @@ _ALLOWED_KEYS = {
     "train.dynamic_batch_max_shapes": "microbatching only; same windows, same gradient",
     "train.dynamic_batch_overhead": "microbatching only; same windows, same gradient",
     "train.dynamic_batch_layout": "microbatching only; same windows, same gradient",
+    "train.dynamic_batch_attention_weight": "microbatching only; same windows, same gradient",
     "train.forward_max_tokens_per_gpu": "forward-only passes' microbatching",
     "train.precision": "compute dtype only; FP32 master weights and optimizer state load unchanged",
     "data.cache_dir": "where caches live",

@@ -54,17 +54,48 @@ def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
     )
 
 
+def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
+    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device.
+
+    Packed microbatches carry their segment facts (sequence ids, cu_seqlens) into the attention
+    context, so attention stays within each sequence."""
+    segments = None
+    if mb.is_packed:
+        segments = {
+            "segment_ids": mb.segment_ids,
+            "cu_seqlens": mb.cu_seqlens,
+            "cu_seqlens_padded": mb.cu_seqlens_padded,
+        }
+    return token_losses(
+        model,
+        mb.tokens,
+        mb.labels,
+        mb.position_ids,
+        mb.valid,
+        cp_group=cp_group,
+        route_rows=route_rows,
+        segments=segments,
+    )
+
+
 def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch."""
     mb = mb.to(env.device)
-    losses = token_losses(
-        model, mb.tokens, mb.labels, mb.position_ids, mb.valid, cp_group=env.cp_group, route_rows=mb.sample_ids >= 0
-    )
+    losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
     return (losses * mb.loss_weight).sum()
 
 
-def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchHook | None = None) -> float:
+def forward_backward(
+    model,
+    data: StepData,
+    env,
+    *,
+    microbatch_hook: MicrobatchHook | None = None,
+    microbatch_done: Callable[[int], None] | None = None,
+) -> float:
     """Accumulate the window's gradient over this rank's microbatches; returns the window loss.
+    ``microbatch_done(j)`` (optional) runs right after microbatch j's backward (the benchmark
+    times each microbatch's compute with it).
 
     MoE models add their load-balancing loss per microbatch as ``coeff * sum of per-sample switch
     losses / samples in the window`` (``backend.model.moe_stats``): independent of the plan. The
@@ -86,6 +117,8 @@ def forward_backward(model, data: StepData, env, *, microbatch_hook: MicrobatchH
             total = total + aux / samples
         total.backward()
         local_sum += loss_sum.detach().double()
+        if microbatch_done is not None:
+            microbatch_done(j)
     return (dist_sum(local_sum) / normaliser).item()
 
 
@@ -107,13 +140,22 @@ def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, 
 
 
 def train_step(
-    model, optimizer, scheduler, data: StepData, env, *, clip_grad: float, step: int, microbatch_hook=None
+    model,
+    optimizer,
+    scheduler,
+    data: StepData,
+    env,
+    *,
+    clip_grad: float,
+    step: int,
+    microbatch_hook=None,
+    microbatch_done=None,
 ) -> dict:
     """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
-    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
+    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook, microbatch_done=microbatch_done)
     moe = moe_stats.window_metrics(model, len(data.window_ids))  # {} for dense models
     out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":

@@ -100,8 +100,10 @@ def test_bench_train_quick_run_reports_every_key(tmp_path):
     s = result["sets"]["short"]
     for key in ("speedup_vs_mbs1", "predicted_speedup", "padding_efficiency"):
         assert s[key] > 0
-    assert set(s["arms"]) == {"mbs1", "fixed_safe", "dynamic"}
+    assert set(s["arms"]) == {"mbs1", "fixed_safe", "sort_and_stride", "dynamic", "dynamic_packed"}
+    assert s["packed_vs_padded"] > 0 and s["packed_padding_efficiency"] >= 0.99
     for arm in s["arms"].values():
+        assert arm["measured_rank_imbalance"] >= 0 and arm["predicted_speedup_vs_mbs1"] > 0
         assert arm["real_compute_s"] >= 0 and arm["overhead_s"] > 0 and arm["peak_memory_bytes"] > 0
     assert "speedup vs mbs1: measured" in proc.stdout
 

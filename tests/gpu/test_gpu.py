@@ -14,7 +14,7 @@ from tests.distributed.harness import run_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _batch(device):
+def _batch(device, layout: str = "padded"):
     import numpy as np
 
     from backend.batching import Microbatch
@@ -23,25 +23,28 @@ def _batch(device):
 
     rng = np.random.default_rng(0)
     samples = [Sample(tokens=rng.integers(0, 256, size=n)) for n in (300, 17, 512, 64)]
-    mb = Microbatch(indices=tuple(range(4)), padded_len=512, cost=0, tokens=0)
+    if layout == "packed":  # one row of the four back to back (plus a tail joining the last)
+        mb = Microbatch(indices=tuple(range(4)), padded_len=300 + 17 + 512 + 64 + 11, cost=0, tokens=0, packed=True)
+    else:
+        mb = Microbatch(indices=tuple(range(4)), padded_len=512, cost=0, tokens=0)
     return collate(samples, list(range(4)), mb).to(device)
 
 
-def backend_vs_sdpa(rank: int, world: int, backend: str):
+def backend_vs_sdpa(rank: int, world: int, backend: str, layout: str = "padded"):
     from backend.config import load_config
     from backend.distributed.setup import init_distributed
-    from backend.model.builder import token_losses
     from backend.model.factory import build_model
+    from backend.train.step import microbatch_token_losses
 
     env = init_distributed(1)
     base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512", "train.seed=3"]
-    batch = _batch(env.device)
+    batch = _batch(env.device, layout)
     out = {}
     grads = {}
     for name in ("sdpa", backend):
         cfg = load_config(None, [*base, f"model.attention_backend={name}", "train.precision=fp32"])
         model = build_model(cfg, env, tokenizer_vocab=256).model
-        losses = token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid)
+        losses = microbatch_token_losses(model, batch)
         loss = (losses * batch.loss_weight).sum() / batch.loss_mask.sum()
         loss.backward()
         out[name] = losses.detach()[batch.valid].cpu()
@@ -64,6 +67,19 @@ def test_te_matches_sdpa(tmp_path):
     if not ok:
         pytest.skip(f"needs Transformer Engine: {why}")
     r = run_ranks(backend_vs_sdpa, 1, tmp_path, "te", backend="nccl", timeout=600)[0]
+    assert r["fwd_diff"] <= 2e-2 and r["grad_cos"] >= 0.999, r
+
+
+@pytest.mark.parametrize("backend", ["flex", "te"])
+def test_packed_rows_match_sdpa(tmp_path, backend):
+    """Packed rows: flex's document BlockMask and TE's THD path against per-sequence SDPA."""
+    if backend == "te":
+        from backend.megatron_compat import te_status
+
+        ok, why = te_status()
+        if not ok:
+            pytest.skip(f"needs Transformer Engine: {why}")
+    r = run_ranks(backend_vs_sdpa, 1, tmp_path, backend, "packed", backend="nccl", timeout=600)[0]
     assert r["fwd_diff"] <= 2e-2 and r["grad_cos"] >= 0.999, r
 
 

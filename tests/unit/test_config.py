@@ -68,6 +68,14 @@ def test_round_trip_yaml_defaults_and_overrides(tmp_path):
         (["model.hidden_size=100", "model.num_attention_heads=3"], 1, "model.hidden_size=100: must be divisible"),
         (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0"),
         (["trainiters=3"], 1, "unknown config key 'trainiters'"),
+        (
+            ["train.dynamic_batch_layout=dense"],
+            1,
+            "train.dynamic_batch_layout='dense': allowed values are padded, packed",
+        ),
+        (["train.dynamic_batch_attention_weight=-0.5"], 1, "train.dynamic_batch_attention_weight=-0.5: must be >= 0"),
+        (["train.dynamic_batch_attention_weight=inf"], 1, "train.dynamic_batch_attention_weight=inf: must be a finite"),
+        (["train.dynamic_batch_attention_weight=abc"], 1, "'train.dynamic_batch_attention_weight'"),
         (["train.train_iters"], 1, "expected dotted.key=value"),
     ],
 )
@@ -123,3 +131,23 @@ def test_print_config_shows_the_values_the_run_uses():
     assert model["attention_backend"] in ("sdpa", "flex", "te") and train["precision"] in ("fp32", "bf16")
     assert cfg["data"]["tokenizer"] == "byte" and cfg["checkpoint"]["dir"] == "runs/quickstart/checkpoints"
     assert train["forward_max_tokens_per_gpu"] == train["max_tokens_per_gpu"] == 8192
+
+
+def test_layout_and_attention_weight_reach_the_planner():
+    from backend.data.iterator import planner_from_config
+
+    cfg = validate(
+        load_config(
+            None,
+            [
+                "train.dynamic_batch_enable=true",
+                "train.max_tokens_per_gpu=4096",
+                "train.dynamic_batch_layout=packed",
+                "train.dynamic_batch_attention_weight=0.002",
+            ],
+        )
+    )
+    plan = planner_from_config(cfg.train, dp_size=2, cp_size=1)([100, 200, 300])
+    assert plan.layout == "packed" and plan.attention_weight == 0.002
+    forward = planner_from_config(cfg.train, dp_size=1, cp_size=1, forward=True)([100, 200])
+    assert forward.layout == "packed"

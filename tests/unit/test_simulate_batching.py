@@ -57,3 +57,20 @@ def test_lengths_file_and_its_errors(tmp_path):
 def test_bad_budget_is_a_clear_error():
     out = run("--cp", "4", "--max-tokens-per-gpu", "1", "--set", "equal")
     assert out.returncode != 0 and "max_tokens_per_gpu=1 is below the smallest" in out.stderr
+
+
+def test_packed_beside_padded_efficiency_and_invariants():
+    """Packed rows waste at most 1% at cp 1 and 2% at cp 2 on every length set; every plan's
+    invariants hold (the tool checks them per window)."""
+    for cp, floor in ((1, 0.99), (2, 0.98)):
+        out = run("--dp", "8", "--cp", str(cp), "--steps", "2", "--global-batch-size", "256", "--json")
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        assert {r["scheduler"] for r in rows} >= {"dynamic", "dynamic_packed"}
+        for r in rows:
+            assert r["invariants_ok"] is True, r
+            if r["scheduler"] == "dynamic_packed":
+                assert r["layout"] == "packed"
+                assert r["padding_efficiency"] >= floor, r
+                padded = next(x for x in rows if x["set"] == r["set"] and x["scheduler"] == "dynamic")
+                assert r["padding_efficiency"] >= padded["padding_efficiency"]

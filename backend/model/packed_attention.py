@@ -1,0 +1,313 @@
+"""Attention over packed rows (one row, many sequences) and Transformer Engine's fast paths.
+
+A packed microbatch is one row of n sequences back to back; sequence i occupies
+[cu_seqlens_padded[i], cu_seqlens_padded[i+1]) of the row (global offsets, before the CP cut),
+its first cu_seqlens[i+1] - cu_seqlens[i] tokens real. Positions restart at 0 per sequence and a
+query attends only keys of its own sequence at positions <= its own. Under CP size c every
+sequence is cut into 2c chunks and CP rank r holds chunks r and 2c-1-r of EVERY sequence, so the
+local row holds sequence i at [cu_seqlens_padded[i] / c, cu_seqlens_padded[i+1] / c).
+
+Each backend pays only for same-sequence pairs:
+
+- sdpa: one SDPA call per sequence on views of q/k/v (no (total x total) mask: time and memory
+  scale with sum(l_i^2), not the row's square). Under CP the keys are all-gathered once per layer
+  and the real keys of each sequence selected in global order (one index_select).
+- flex: a document mask (same sequence, causal on positions, real keys), whose BlockMask skips
+  every cross-sequence block; built once per microbatch through ``AttentionContext.cached``.
+- te: ``qkv_format="thd"`` with cu_seqlens and cu_seqlens_padded (Transformer Engine's own CP for
+  THD). Padded microbatches run ``padding_causal`` with sequence lengths at CP 1 and, under CP,
+  two calls per layer: one per local query chunk, causal bottom-right over the gathered keys up to
+  that chunk's end. No arbitrary mask, so the fused kernels run (the unfused fallback never does).
+
+The index arithmetic lives in small pure functions (``te_padded_cp_chunks``, ``gathered_to_global``,
+``packed_real_key_index``), tested on CPU against the SDPA masks; the TE calls themselves are
+marked GPU code and tested by tests/gpu when Transformer Engine imports.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backend.batching import cp_ranges
+
+
+def _cp_size(ctx) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(ctx.cp_group) if ctx.cp_group is not None else 1
+
+
+def segments_of(ctx) -> tuple[list[int], list[int]]:
+    """(real lengths, padded lengths) of the packed row's sequences, as Python ints (cached)."""
+
+    def build():
+        cu = ctx.cu_seqlens.tolist()
+        cu_pad = ctx.cu_seqlens_padded.tolist()
+        return [b - a for a, b in zip(cu, cu[1:])], [b - a for a, b in zip(cu_pad, cu_pad[1:])]
+
+    return ctx.cached("segments", build)
+
+
+def gathered_to_global(segments: list[int], cp_size: int) -> list[int]:
+    """For each token of the CP-gathered packed row (CP ranks' local rows concatenated in rank
+    order), its offset in the global row."""
+    out: list[int] = []
+    for rank in range(cp_size):
+        for start, end in cp_ranges(segments, cp_size, rank):
+            out.extend(range(start, end))
+    return out
+
+
+def packed_real_key_index(seq_lengths: list[int], segments: list[int], cp_size: int) -> list[int]:
+    """Indices into the CP-gathered row of every sequence's real tokens, sequence after sequence,
+    in position order (sequence i's keys then sit at cu_seqlens[i]:cu_seqlens[i+1])."""
+    inverse = [0] * sum(segments)
+    for gathered, global_offset in enumerate(gathered_to_global(segments, cp_size)):
+        inverse[global_offset] = gathered
+    out, offset = [], 0
+    for n, seg in zip(seq_lengths, segments):
+        out.extend(inverse[offset : offset + n])
+        offset += seg
+    return out
+
+
+def _sdpa_plan(ctx, device) -> list[tuple]:
+    """Per sequence: (q_start, q_end, k_start, k_end, mask or None) over local queries and the
+    selected real keys; built once per microbatch."""
+
+    def build():
+        lengths, segments = segments_of(ctx)
+        cp = _cp_size(ctx)
+        out, q_off, k_off = [], 0, 0
+        for n, seg in zip(lengths, segments):
+            local = seg // cp
+            if cp == 1:  # keys are the local row itself; padding queries get zeros
+                out.append((q_off, q_off + n, q_off, q_off + n, None))
+            else:
+                qpos = ctx.positions[0, q_off : q_off + local]
+                mask = torch.arange(n, device=device)[None, :] <= qpos[:, None]
+                out.append((q_off, q_off + local, k_off, k_off + n, mask[None, None]))
+            q_off += local
+            k_off += n
+        return out
+
+    return ctx.cached("sdpa_packed_plan", build)
+
+
+def packed_keys(k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, h, sum(l_i), d]: every sequence's real keys and values in position order, picked from
+    the CP-gathered rows ``k`` and ``v`` with one index_select (used under CP only)."""
+    lengths, segments = segments_of(ctx)
+    index = ctx.cached(
+        "packed_key_index",
+        lambda: torch.tensor(packed_real_key_index(lengths, segments, _cp_size(ctx)), device=k.device),
+    )
+    return k.index_select(2, index), v.index_select(2, index)
+
+
+def sdpa_packed(q, k, v, ctx, scale: float) -> torch.Tensor:
+    """q [1, h, s_local, d]; k, v [1, hk, s_keys, d] (CP-gathered under CP) -> [1, h, s_local, d]."""
+    cp = _cp_size(ctx)
+    if cp > 1:
+        k, v = packed_keys(k, v, ctx)
+    pieces, done = [], 0
+    for q0, q1, k0, k1, mask in _sdpa_plan(ctx, q.device):
+        if q0 > done:
+            pieces.append(q.new_zeros(q.shape[0], q.shape[1], q0 - done, q.shape[3]))
+        qs, ks, vs = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
+        if mask is None:
+            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
+        else:
+            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
+        done = q1
+    if done < q.shape[2]:
+        pieces.append(q.new_zeros(q.shape[0], q.shape[1], q.shape[2] - done, q.shape[3]))
+    return torch.cat(pieces, dim=2)
+
+
+def packed_dense_mask(ctx) -> torch.Tensor:
+    """[1, 1, s_local, s_keys] bool document mask (same sequence, causal, real keys): the
+    reference the per-sequence paths are tested against, and the flex mask's definition."""
+    kpos, kvalid = ctx.key_positions()
+    kseg = key_segment_ids(ctx)
+    qseg, qpos = ctx.segment_ids, ctx.positions
+    allowed = (kseg[:, None, :] == qseg[:, :, None]) & (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
+    return allowed[:, None]
+
+
+def key_segment_ids(ctx) -> torch.Tensor:
+    """[1, s_keys] sequence id of every key: this rank's, or the CP group's gathered (rank order)."""
+
+    def build():
+        from .attention import _gather_plain
+
+        seg = ctx.segment_ids
+        if _cp_size(ctx) > 1:
+            seg = _gather_plain(seg.t().contiguous(), ctx.cp_group).t()
+        return seg
+
+    return ctx.cached("key_segments", build)
+
+
+def flex_packed_block_mask(ctx, q, k):
+    """The document BlockMask (cross-sequence blocks skipped), built once per microbatch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def build():
+        kpos, kvalid = ctx.key_positions()
+        kseg = key_segment_ids(ctx)
+        qpos, qseg = ctx.positions, ctx.segment_ids
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kseg[b, kv_idx] == qseg[b, q_idx]) & (kpos[b, kv_idx] <= qpos[b, q_idx]) & kvalid[b, kv_idx]
+
+        return create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128)
+
+    return ctx.cached("block_mask", build)
+
+
+# ---- Transformer Engine (GPU) -----------------------------------------------------------------
+
+
+def te_padded_cp_chunks(seq_lengths: list[int], padded_len: int, cp_size: int, cp_rank: int) -> list[dict]:
+    """The two TE calls of a padded microbatch under CP, as plain numbers (tested on CPU).
+
+    Rank r holds query chunks r and 2c-1-r (chunk length C = padded_len / 2c) of every row. The
+    call for chunk j takes queries [j*C, (j+1)*C) and the gathered keys [0, (j+1)*C) in global
+    order, causal bottom-right: query t of the chunk sees keys up to j*C + t. Per row, q_lens are
+    the real queries in the chunk (at least 1: a chunk of padding still runs one query, whose
+    output no loss reads) and kv_lens the real keys up to the chunk's end.
+    """
+    chunk = padded_len // (2 * cp_size)
+    out = []
+    for half, j in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        q_lens = [max(1, min(chunk, n - j * chunk)) for n in seq_lengths]
+        kv_lens = [min(n, (j + 1) * chunk) for n in seq_lengths]
+        kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens)]  # bottom-right needs kv >= q
+        out.append(
+            {
+                "local_slice": (half * chunk, (half + 1) * chunk),
+                "chunk_index": j,
+                "kv_end": (j + 1) * chunk,
+                "q_lens": q_lens,
+                "kv_lens": kv_lens,
+            }
+        )
+    return out
+
+
+def te_global_order_index(padded_len: int, cp_size: int) -> list[int]:
+    """Indices into a CP-gathered padded row (rank order) that put its tokens in global order."""
+    gathered = gathered_to_global([padded_len], cp_size)
+    inverse = [0] * padded_len
+    for i, g in enumerate(gathered):
+        inverse[g] = i
+    return inverse
+
+
+def cumulative(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):  # pragma: no cover - GPU
+    """A TE kernel for padded and packed microbatches. Returns (modules to register, kernel);
+    the kernel takes LOCAL keys and values (``kernel.local_kv``): it gathers what it needs."""
+    import transformer_engine.pytorch as te
+
+    from .attention import gather_cp
+
+    def make():
+        return te.DotProductAttention(
+            num_heads,
+            head_dim,
+            num_gqa_groups=num_kv,
+            attention_dropout=0.0,
+            qkv_format="bshd",
+            attn_mask_type="padding_causal",
+            softmax_scale=scale,
+        )
+
+    modules = torch.nn.ModuleDict({"local": make(), "cp": make()})
+    state = {"cp_group": None}
+
+    def int32(values, device):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def packed(q, k, v, ctx):
+        # THD: [t, h, d] local tokens; cu_seqlens are the global (pre-CP-cut) ones, TE divides.
+        cp = _cp_size(ctx)
+        attn = modules["local"]
+        if cp > 1:
+            import torch.distributed as dist
+
+            attn = modules["cp"]
+            if state["cp_group"] is not ctx.cp_group:
+                ranks = dist.get_process_group_ranks(ctx.cp_group)
+                attn.set_context_parallel_group(ctx.cp_group, ranks, torch.cuda.Stream(), "p2p")
+                state["cp_group"] = ctx.cp_group
+        lengths, segments = segments_of(ctx)
+        t = q.shape[2]
+        thd = [x[0].transpose(0, 1).contiguous() for x in (q, k, v)]
+        out = attn(
+            *thd,
+            qkv_format="thd",
+            attn_mask_type="padding_causal",
+            cu_seqlens_q=ctx.cu_seqlens.to(q.device, torch.int32),
+            cu_seqlens_kv=ctx.cu_seqlens.to(q.device, torch.int32),
+            cu_seqlens_q_padded=ctx.cu_seqlens_padded.to(q.device, torch.int32),
+            cu_seqlens_kv_padded=ctx.cu_seqlens_padded.to(q.device, torch.int32),
+            max_seqlen_q=max(segments),
+            max_seqlen_kv=max(segments),
+        )
+        return out.view(t, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
+
+    def padded(q, k, v, ctx):
+        b, _, s, _ = q.shape
+        lengths = ctx.valid.sum(dim=1).tolist() if _cp_size(ctx) == 1 else None
+        attn = modules["local"]
+        bshd = [x.transpose(1, 2) for x in (q, k, v)]
+        if lengths is not None:  # CP 1: padding_causal with the sequence lengths
+            cu = int32(cumulative(lengths), q.device)
+            out = attn(
+                *bshd,
+                attn_mask_type="padding_causal",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=s,
+                max_seqlen_kv=s,
+            )
+            return out.view(b, s, num_heads, head_dim).transpose(1, 2)
+        import torch.distributed as dist
+
+        cp, rank = _cp_size(ctx), dist.get_rank(ctx.cp_group)
+        padded_len = s * cp
+        kpos, kvalid = ctx.key_positions()
+        seq_lengths = kvalid.sum(dim=1).tolist()
+        order = ctx.cached("te_order", lambda: torch.tensor(te_global_order_index(padded_len, cp), device=q.device))
+        kg = gather_cp(bshd[1].transpose(0, 1), ctx.cp_group).transpose(0, 1).index_select(1, order)
+        vg = gather_cp(bshd[2].transpose(0, 1), ctx.cp_group).transpose(0, 1).index_select(1, order)
+        outs = []
+        for call in te_padded_cp_chunks(seq_lengths, padded_len, cp, rank):
+            a, e = call["local_slice"]
+            out = attn(
+                bshd[0][:, a:e].contiguous(),
+                kg[:, : call["kv_end"]].contiguous(),
+                vg[:, : call["kv_end"]].contiguous(),
+                attn_mask_type="padding_causal_bottom_right",
+                cu_seqlens_q=int32(cumulative(call["q_lens"]), q.device),
+                cu_seqlens_kv=int32(cumulative(call["kv_lens"]), q.device),
+                max_seqlen_q=e - a,
+                max_seqlen_kv=call["kv_end"],
+            )
+            outs.append(out.view(b, e - a, num_heads, head_dim))
+        return torch.cat(outs, dim=1).transpose(1, 2)
+
+    def kernel(q, k, v, ctx, _scale: float) -> torch.Tensor:
+        return packed(q, k, v, ctx) if ctx.is_packed else padded(q, k, v, ctx)
+
+    kernel.local_kv = True
+    return modules, kernel

@@ -1,0 +1,106 @@
+"""The packed layout's pure pieces on CPU: collate (positions, labels, segment facts, the CP cut)
+and the index arithmetic of the per-sequence SDPA and Transformer Engine paths, checked against
+the masks the SDPA paths use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.batching import Microbatch, round_up, segment_lengths
+from backend.data.collate import collate, cp_shard, cp_unshard, packed_cp_index, packed_cp_unshard
+from backend.data.sample import Sample
+from backend.model.packed_attention import (
+    cumulative,
+    gathered_to_global,
+    packed_real_key_index,
+    te_global_order_index,
+    te_padded_cp_chunks,
+)
+
+
+def packed_batch(lengths, cp_size, cp_rank, extra=0):
+    rng = np.random.default_rng(0)
+    samples = [Sample(tokens=rng.integers(1, 256, size=n)) for n in lengths]
+    seg = 2 * cp_size if cp_size > 1 else 1
+    row = sum(round_up(n, seg) for n in lengths) + extra
+    mb = Microbatch(tuple(range(len(lengths))), row, row // cp_size, sum(lengths), packed=True)
+    return samples, collate(samples, list(range(len(lengths))), mb, cp_rank=cp_rank, cp_size=cp_size)
+
+
+def test_collate_packed_positions_labels_and_segments():
+    lengths = [3, 1, 4]
+    samples, b = packed_batch(lengths, 1, 0, extra=2)
+    assert b.tokens.shape == (1, 10) and b.is_packed
+    assert b.position_ids[0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4, 5]
+    assert b.segment_ids[0].tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2, 2]
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 8] and b.cu_seqlens_padded.tolist() == [0, 3, 4, 10]
+    assert b.valid[0].tolist() == [True] * 8 + [False] * 2
+    # Labels never cross a sequence boundary: each sequence's last token predicts nothing.
+    assert b.loss_mask[0].tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert b.labels[0, :2].tolist() == samples[0].tokens[1:].tolist()
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_packed_cp_cut_is_per_sequence_and_inverts(cp):
+    lengths = [5, 13, 1, 8]
+    _, full = packed_batch(lengths, cp, 0, extra=0)  # only the metadata is used below
+    segments = segment_lengths(lengths, cp, full.padded_len)
+    parts = [packed_batch(lengths, cp, r)[1] for r in range(cp)]
+    for p in parts:
+        assert p.tokens.shape[1] == full.padded_len // cp
+    row = packed_cp_unshard([p.tokens for p in parts], segments)
+    offsets = cumulative(segments)
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(lengths):
+        expected = rng.integers(1, 256, size=n)
+        assert row[0, offsets[i] : offsets[i] + n].tolist() == expected.tolist()
+    # Rank r's first tokens: chunk r of sequence 0, i.e. positions [r*C, (r+1)*C).
+    chunk = segments[0] // (2 * cp)
+    for r, p in enumerate(parts):
+        assert p.position_ids[0, :chunk].tolist() == list(range(r * chunk, (r + 1) * chunk))
+    assert (
+        gathered_to_global(segments, cp)
+        == np.concatenate([packed_cp_index(segments, r, cp) for r in range(cp)]).tolist()
+    )
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_real_key_index_selects_every_sequence_in_position_order(cp):
+    lengths = [7, 2, 16, 9]
+    seg = 2 * cp if cp > 1 else 1
+    segments = [round_up(n, seg) for n in lengths]
+    global_row = torch.arange(sum(segments))
+    gathered = torch.cat([global_row[torch.from_numpy(packed_cp_index(segments, r, cp))] for r in range(cp)])
+    picked = gathered[torch.tensor(packed_real_key_index(lengths, segments, cp))]
+    offsets = cumulative(segments)
+    expected = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, lengths)])
+    assert torch.equal(picked, expected)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_te_padded_cp_calls_reproduce_the_padded_mask(cp):
+    """Two bottom-right calls per rank give every real query exactly the keys the dense padded mask
+    allows (causal on global positions, padded keys never)."""
+    padded_len = 2 * cp * 5
+    seq_lengths = [1, 4, 5, 6, 17, padded_len]
+    order = te_global_order_index(padded_len, cp)
+    parts = [cp_shard(torch.arange(padded_len)[None], r, cp) for r in range(cp)]
+    assert cp_unshard(parts)[0].tolist() == list(range(padded_len))
+    rank_major = torch.cat([cp_shard(torch.arange(padded_len)[None], r, cp)[0] for r in range(cp)])
+    assert rank_major[torch.tensor(order)].tolist() == list(range(padded_len))
+    for r in range(cp):
+        local_pos = cp_shard(torch.arange(padded_len)[None], r, cp)[0]
+        for call in te_padded_cp_chunks(seq_lengths, padded_len, cp, r):
+            a, e = call["local_slice"]
+            qpos = local_pos[a:e]
+            for b, n in enumerate(seq_lengths):
+                q_len, kv_len = call["q_lens"][b], call["kv_lens"][b]
+                assert kv_len >= q_len >= 1 and kv_len <= call["kv_end"]
+                for t, p in enumerate(qpos.tolist()):
+                    if p >= n:  # a padding query: its output is never read
+                        continue
+                    assert t < q_len
+                    te_keys = [u for u in range(kv_len) if u <= t + (kv_len - q_len)]  # bottom-right causal
+                    assert te_keys == [k for k in range(padded_len) if k <= p and k < n]
