@@ -4,6 +4,7 @@
     python tools/bench_train.py --dp 2 --json          # CPU: a tiny model, two gloo ranks
     python tools/bench_train.py --json                 # on a GPU: a ~250M-parameter model in BF16
     python tools/bench_train.py --moe --sets short     # the same arms on a tiny GPT-OSS-style MoE
+    python tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short   # Qwen3-4B, random weights
 
 Arms on the same windows, alternating each step: micro-batch size 1, the largest fixed size safe
 for the longest sequence, sort-and-stride (padded), dynamic batching with padded rows and with
@@ -54,12 +55,15 @@ def build(env, args):
         if args.moe
         else []
     )
+    if args.recipe:  # a real architecture (e.g. Qwen3-4B) with random weights: no checkpoint is read
+        size, moe = ["model.hf_checkpoint=''"], []
+    else:
+        size = [*size, f"model.vocab_size={32768 if cuda else 256}"]
     cfg = load_config(
-        None,
+        args.recipe,
         [
             *size,
             *moe,
-            f"model.vocab_size={32768 if cuda else 256}",
             f"model.attention_backend={args.attention}",
             "data.max_seq_length=8192",
             "train.seed=0",
@@ -139,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", help="model.attention_backend")
     p.add_argument("--override", action="append", default=[], help="dotted.key=value for the model config")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--recipe",
+        help="take the model architecture from this config (e.g. configs/qwen3_4b_dynamic.yaml), random weights",
+    )
     p.add_argument("--moe", action="store_true", help="a GPT-OSS-style MoE model (4 experts, top 2, sinks, windows)")
     p.add_argument("--scale", type=float, default=1.0, help="scale sequences per step (a quick smoke run: 0.1)")
     p.add_argument(

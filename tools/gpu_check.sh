@@ -6,11 +6,15 @@
 #    (build it with tools/gpu_wheelhouse.sh where there is network), offline, into .gpu_site/
 #    beside the image's packages (tools/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
 # 2. The steps at the bottom, each under its timeout, all under one budget (GPU_CHECK_BUDGET_S,
-#    420 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
-#    CUDA vs sdpa, a BF16 train step, TE when it imports), then tools/bench_train.py on the GPU
-#    model (~250M parameters, BF16, FSDP2), three length sets.
+#    440 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
+#    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports), the
+#    FlexAttention compile count with and without shape buckets, tools/bench_train.py on the GPU
+#    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
+#    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
+#    (random weights, the short set).
 # Files in OUT_DIR (default: $OUT, else gpu_check_out), at most 8 (what the device returns):
-# environment.txt (with the install log), NAME.log per step, bench_gpu.json, summary.txt (<= 30 lines).
+# environment.txt (with the install log), NAME.log per step, bench_gpu.json, bench_qwen3_4b.json,
+# summary.txt (<= 30 lines).
 # Exit: 0 every step passed, 1 a step failed, timed out or was skipped, 2 install failed, 3 no CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +23,7 @@ mkdir -p "$out"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 wheelhouse="${WHEELHOUSE:-gpu_wheelhouse}"
 site=.gpu_site
-budget_s="${GPU_CHECK_BUDGET_S:-420}"
+budget_s="${GPU_CHECK_BUDGET_S:-440}"
 
 # 0. CUDA first, with the reason; nothing else may run (or fail) before it.
 if ! reason=$("$py" -c "
@@ -90,9 +94,10 @@ step() {
   echo "$name: $verdict in $((SECONDS - t0)) s${last:+; $last}" >> "$results"
 }
 
-step gpu_tests 120 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
-step flex_compile 60 "$py" tools/flex_compile_count.py --steps 4
-step bench_gpu 200 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+step gpu_tests 110 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
+step flex_compile 50 "$py" tools/flex_compile_count.py --steps 4
+step bench_gpu 150 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+step bench_qwen3_4b 130 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
 
 files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {
