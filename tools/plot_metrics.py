@@ -26,6 +26,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
+from backend.logging.figures import save_png  # noqa: E402
 from backend.logging.metrics import read_metrics  # noqa: E402
 
 DPI = 100
@@ -106,11 +107,7 @@ def plot_metrics(paths: list[Path], out: str | Path, *, title: str = "") -> Path
     fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=9, frameon=False)
     fig.suptitle(title or f"metrics: {', '.join(label for label, _, _ in runs)}", fontsize=12)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
+    return save_png(fig, out, DPI)
 
 
 def main(argv: list[str] | None = None) -> int:

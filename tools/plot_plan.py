@@ -38,6 +38,8 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from backend.batching import DEFAULT_MICROBATCH_OVERHEAD, PlanArgs, StepPlan, plan  # noqa: E402
+from backend.bench.length_sets import read_lengths_file  # noqa: E402
+from backend.logging.figures import save_png  # noqa: E402
 
 DPI = 100
 WIDTH_IN = 14.0
@@ -47,26 +49,6 @@ REAL, PAD, IDLE, OVERSIZE = "#2b6cb0", "#a3c4e8", "#d9d9d9", "#d62728"
 def figure_size(dp_size: int) -> tuple[float, float]:
     """Inches: 14 wide, 0.55 per rank plus room for the title, axis and legend (pixels = x 100)."""
     return WIDTH_IN, round(2.2 + 0.55 * max(1, dp_size), 2)
-
-
-def read_lengths_file(path: str) -> list[int]:
-    """One positive integer a line; blank lines and # comments are skipped. Errors name file:line."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                value = int(text)
-            except ValueError:
-                raise SystemExit(f"{path}:{lineno}: expected one integer length, got {text!r}") from None
-            if value < 1:
-                raise SystemExit(f"{path}:{lineno}: a sequence length must be >= 1, got {value}")
-            out.append(value)
-    if not out:
-        raise SystemExit(f"{path}: no lengths found")
-    return out
 
 
 def plan_from_config(config: str, overrides: list[str], *, dp: int, cp: int | None, step: int) -> tuple[StepPlan, str]:
@@ -195,11 +177,7 @@ def draw_plan(step_plan: StepPlan, out: str | Path, *, title: str = "") -> Path:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
     fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    plt.close(fig)
-    return out
+    return save_png(fig, out, DPI)
 
 
 def main(argv: list[str] | None = None) -> int:

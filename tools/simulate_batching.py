@@ -30,29 +30,9 @@ from backend.batching import (
     pad_multiple,
     plan,
 )  # noqa: E402
-from backend.bench.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402
+from backend.bench.length_sets import LENGTH_SETS, read_lengths_file, synthetic_lengths  # noqa: E402
 
 SCHEDULERS = ("dynamic", "dynamic_packed", "sort_and_stride", "fixed_mbs1")
-
-
-def read_lengths_file(path: str) -> list[int]:
-    """One positive integer a line; blank lines and # comments are skipped. Errors name file:line."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                value = int(text)
-            except ValueError:
-                raise SystemExit(f"{path}:{lineno}: expected one integer length, got {text!r}") from None
-            if value < 1:
-                raise SystemExit(f"{path}:{lineno}: a sequence length must be >= 1, got {value}")
-            out.append(value)
-    if not out:
-        raise SystemExit(f"{path}: no lengths found")
-    return out
 
 
 def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace, edges=None):

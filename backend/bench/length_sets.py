@@ -48,3 +48,23 @@ def synthetic_lengths(name: str, count: int, *, seed: int = 0, cap: int = 8192) 
         sizes = [min(cap, max(1, os.path.getsize(f))) for f in stdlib_source_files()]
         return [rng.choice(sizes) for _ in range(count)]
     raise ValueError(f"unknown length set {name!r}; choose one of {', '.join(LENGTH_SETS)}")
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """One positive integer a line; blank lines and # comments are skipped. Errors name file:line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                raise SystemExit(f"{path}:{lineno}: expected one integer length, got {text!r}") from None
+            if value < 1:
+                raise SystemExit(f"{path}:{lineno}: a sequence length must be >= 1, got {value}")
+            out.append(value)
+    if not out:
+        raise SystemExit(f"{path}: no lengths found")
+    return out

@@ -79,6 +79,16 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return fields_from_hf(cfg, source=str(path))
 
 
+def _attention_shape(cfg: dict, source: str) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv heads, head_dim) from config.json; kv heads must divide heads."""
+    hidden = _need(cfg, "hidden_size", source)
+    heads = _need(cfg, "num_attention_heads", source)
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise HFConfigError(f"{source}: 'num_key_value_heads' = {kv} must divide 'num_attention_heads' = {heads}")
+    return hidden, heads, kv, cfg.get("head_dim") or hidden // heads
+
+
 def _need(cfg: dict, key: str, source: str, kind=int):
     if key not in cfg or cfg[key] is None:
         raise HFConfigError(f"{source}: required field '{key}' is missing")
@@ -160,12 +170,7 @@ def gpt_oss_fields(cfg: dict, source: str = "config.json") -> dict:
     if not cfg.get("attention_bias", True):
         raise HFConfigError(f"{source}: 'attention_bias' = false is not supported (GPT-OSS biases q, k, v and o)")
     layers = _need(cfg, "num_hidden_layers", source)
-    hidden = _need(cfg, "hidden_size", source)
-    heads = _need(cfg, "num_attention_heads", source)
-    kv = cfg.get("num_key_value_heads") or heads
-    if heads % kv:
-        raise HFConfigError(f"{source}: 'num_key_value_heads' = {kv} must divide 'num_attention_heads' = {heads}")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    hidden, heads, kv, head_dim = _attention_shape(cfg, source)
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
     ]
@@ -233,12 +238,7 @@ def fields_from_hf(cfg: dict, source: str = "config.json") -> dict:
     if other:
         raise HFConfigError(f"{source}: 'layer_types' holds {other} (only 'full_attention' layers are supported)")
 
-    hidden = _need(cfg, "hidden_size", source)
-    heads = _need(cfg, "num_attention_heads", source)
-    kv = cfg.get("num_key_value_heads") or heads
-    if heads % kv:
-        raise HFConfigError(f"{source}: 'num_key_value_heads' = {kv} must divide 'num_attention_heads' = {heads}")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    hidden, heads, kv, head_dim = _attention_shape(cfg, source)
     if cfg.get("head_dim") is None and hidden % heads:
         raise HFConfigError(f"{source}: 'hidden_size' = {hidden} is not a multiple of 'num_attention_heads' = {heads}")
     if head_dim % 2:

@@ -13,26 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hf import HFConfigError, check_against_explicit, read_hf_config
+from .hf import FIELDS, HFConfigError, check_against_explicit, read_hf_config
 from .load import ConfigError
 from .schema import Config, RopeScalingConfig
 
 #: Our model keys that config.json determines (``backend.config.hf.FIELDS`` minus model_type).
-ARCHITECTURE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "rotary_base",
-    "head_dim",
-    "norm_epsilon",
-    "qk_layernorm",
-    "qkv_bias",
-    "tie_embeddings",
-)
+ARCHITECTURE_KEYS = tuple(k for k in FIELDS if k not in ("model_type", "rope_scaling"))
 #: GPT-OSS keys config.json also determines (``backend.config.hf.GPT_OSS_FIELDS`` that are architecture;
 #: ``router_aux_loss_coef`` is a training choice, model.moe_aux_loss_coeff, and is not taken from it).
 GPT_OSS_ARCHITECTURE_KEYS = (

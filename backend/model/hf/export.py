@@ -71,15 +71,7 @@ def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | N
     cfg = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "hidden_size": fields["hidden_size"],
-        "intermediate_size": fields["ffn_hidden_size"],
-        "num_hidden_layers": fields["num_layers"],
-        "num_attention_heads": fields["num_attention_heads"],
-        "num_key_value_heads": fields["num_query_groups"],
-        "head_dim": fields["head_dim"],
-        "vocab_size": fields["vocab_size"],
-        "max_position_embeddings": fields["max_position_embeddings"],
-        "rms_norm_eps": fields["norm_epsilon"],
+        **_shape_keys(fields, ffn=fields["ffn_hidden_size"]),
         "rope_theta": float(fields["rotary_base"]),
         "rope_scaling": dict(fields["rope_scaling"]) if fields["rope_scaling"] else None,
         "hidden_act": "silu",
@@ -101,14 +93,11 @@ def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | N
     return cfg
 
 
-def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> dict:
-    """GPT-OSS config.json: dense weights (no ``quantization_config``), rope_parameters (5.x keys)."""
-    scaling = dict(fields["rope_scaling"] or {"rope_type": "default"})
-    cfg = {
-        "architectures": [ARCHITECTURES["gpt_oss"]],
-        "model_type": "gpt_oss",
+def _shape_keys(fields: dict, *, ffn: int) -> dict:
+    """The config.json keys every family shares: widths, depth, heads, vocabulary, positions, norm."""
+    return {
         "hidden_size": fields["hidden_size"],
-        "intermediate_size": fields["moe_ffn_hidden_size"],
+        "intermediate_size": ffn,
         "num_hidden_layers": fields["num_layers"],
         "num_attention_heads": fields["num_attention_heads"],
         "num_key_value_heads": fields["num_query_groups"],
@@ -116,6 +105,16 @@ def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> 
         "vocab_size": fields["vocab_size"],
         "max_position_embeddings": fields["max_position_embeddings"],
         "rms_norm_eps": fields["norm_epsilon"],
+    }
+
+
+def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> dict:
+    """GPT-OSS config.json: dense weights (no ``quantization_config``), rope_parameters (5.x keys)."""
+    scaling = dict(fields["rope_scaling"] or {"rope_type": "default"})
+    cfg = {
+        "architectures": [ARCHITECTURES["gpt_oss"]],
+        "model_type": "gpt_oss",
+        **_shape_keys(fields, ffn=fields["moe_ffn_hidden_size"]),
         "rope_parameters": {"rope_theta": float(fields["rotary_base"]), **scaling},
         "tie_word_embeddings": bool(fields["tie_embeddings"]),
         "attention_bias": True,
