@@ -248,12 +248,12 @@ def run_set(
             meter = SavedActivationMeter() if env.device.type == "cpu" else None
             marks: list[float] = []
 
-            def hook(j, meter=meter, marks=marks):
-                marks.append(clock())
-                return meter.microbatch(j) if meter is not None else contextlib.nullcontext()
-
-            def done(j, marks=marks):
-                marks[-1] = clock() - marks[-1]
+            @contextlib.contextmanager
+            def hook(j, meter=meter, marks=marks):  # one microbatch's forward and backward
+                start = clock()
+                with meter.microbatch(j) if meter is not None else contextlib.nullcontext():
+                    yield
+                marks.append(clock() - start)
 
             _sync(env)
             if env.device.type == "cuda":
@@ -268,7 +268,6 @@ def run_set(
                 clip_grad=1.0,
                 step=step,
                 microbatch_hook=hook,
-                microbatch_done=done,
             )
             _sync(env)
             elapsed = _max_over_ranks(time.perf_counter() - start, env)

@@ -27,8 +27,8 @@ from backend.distributed.fsdp import set_grad_sync
 from backend.model import moe_stats
 from backend.model.builder import token_losses
 
-# Called with the microbatch's index; the context it returns wraps that microbatch's forward
-# (the benchmark's saved-activation meter uses it).
+# Called with the microbatch's index; the context it returns wraps that microbatch's forward and
+# backward (the benchmark's saved-activation meter and per-microbatch timer use it).
 MicrobatchHook = Callable[[int], AbstractContextManager]
 
 
@@ -91,11 +91,10 @@ def forward_backward(
     env,
     *,
     microbatch_hook: MicrobatchHook | None = None,
-    microbatch_done: Callable[[int], None] | None = None,
 ) -> float:
     """Accumulate the window's gradient over this rank's microbatches; returns the window loss.
-    ``microbatch_done(j)`` (optional) runs right after microbatch j's backward (the benchmark
-    times each microbatch's compute with it).
+    ``microbatch_hook(j)`` (optional) returns a context wrapped around microbatch j's forward and
+    backward (the benchmark's activation meter and per-microbatch timer).
 
     MoE models add their load-balancing loss per microbatch as ``coeff * sum of per-sample switch
     losses / samples in the window`` (``backend.model.moe_stats``): independent of the plan. The
@@ -111,14 +110,12 @@ def forward_backward(
         set_grad_sync(model, j == count - 1)
         with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
             loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
-        total = loss_sum / normaliser
-        aux = moe_stats.take_microbatch_aux(model)
-        if aux is not None:
-            total = total + aux / samples
-        total.backward()
+            total = loss_sum / normaliser
+            aux = moe_stats.take_microbatch_aux(model)
+            if aux is not None:
+                total = total + aux / samples
+            total.backward()
         local_sum += loss_sum.detach().double()
-        if microbatch_done is not None:
-            microbatch_done(j)
     return (dist_sum(local_sum) / normaliser).item()
 
 
@@ -149,13 +146,12 @@ def train_step(
     clip_grad: float,
     step: int,
     microbatch_hook=None,
-    microbatch_done=None,
 ) -> dict:
     """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
-    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook, microbatch_done=microbatch_done)
+    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
     moe = moe_stats.window_metrics(model, len(data.window_ids))  # {} for dense models
     out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":
