@@ -24,7 +24,8 @@ def embedded_cache(tmp_path_factory) -> str:
 def tiny_hf(tmp_path_factory) -> dict:
     """{kind: (directory, transformers model)} for tiny random Qwen3, Llama and Qwen2 checkpoints
     (safetensors + a tiny ChatML tokenizer), saved once per session."""
-    pytest.importorskip("transformers")
+    import transformers  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
+
     from tests.helpers.hf_tiny import KINDS, tiny_hf_model
 
     root = tmp_path_factory.mktemp("tiny_hf")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hf import FIELDS, HFConfigError, check_against_explicit, read_hf_config
+from .hf import FIELDS, GPT_OSS_FIELDS, HFConfigError, check_against_explicit, read_hf_config
 from .load import ConfigError
 from .schema import Config, RopeScalingConfig
 
@@ -21,17 +21,7 @@ from .schema import Config, RopeScalingConfig
 ARCHITECTURE_KEYS = tuple(k for k in FIELDS if k not in ("model_type", "rope_scaling"))
 #: GPT-OSS keys config.json also determines (``backend.config.hf.GPT_OSS_FIELDS`` that are architecture;
 #: ``router_aux_loss_coef`` is a training choice, model.moe_aux_loss_coeff, and is not taken from it).
-GPT_OSS_ARCHITECTURE_KEYS = (
-    "attention_bias",
-    "attention_sinks",
-    "sliding_window",
-    "window_attn_skip_freq",
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "swiglu_alpha",
-    "swiglu_limit",
-)
+GPT_OSS_ARCHITECTURE_KEYS = tuple(k for k in GPT_OSS_FIELDS if k != "router_aux_loss_coef")
 
 
 def hf_architecture(hf_dir: str) -> tuple[dict, RopeScalingConfig]:

@@ -19,6 +19,16 @@ from backend.megatron_compat import import_megatron_module
 from .attention import AttentionContext, core_attention_spec
 from .rope import Rope
 
+# Fusions and CUDA-only paths off: the same megatron-core modules run on CPU and GPU.
+PORTABLE_FUSIONS_OFF = dict(
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+    cross_entropy_loss_fusion=False,
+)
+
 
 def head_dim(model_cfg) -> int:
     """model.head_dim, or hidden_size / num_attention_heads when it is 0."""
@@ -136,13 +146,7 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         init_method_std=model_cfg.init_method_std,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
-        # Fusions and CUDA-only paths off: the same modules run on CPU and GPU.
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **PORTABLE_FUSIONS_OFF,
         **kwargs,
     )
     spec = specs.get_gpt_layer_local_spec(

@@ -13,7 +13,6 @@ from backend.bench.compare import compare, run_arm
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.distributed
-transformers = pytest.importorskip("transformers")
 
 HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
 STEPS = 3

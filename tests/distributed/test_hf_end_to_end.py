@@ -21,7 +21,7 @@ from backend.distributed.launch import torchrun_command
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.distributed
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

@@ -14,8 +14,6 @@ import torch
 from .harness import run_ranks
 
 pytestmark = pytest.mark.distributed
-transformers = pytest.importorskip("transformers")
-
 
 KINDS = ("qwen3", "qwen2")  # tied embeddings + QK norm; QKV bias + YaRN
 

@@ -6,8 +6,7 @@ import json
 
 import numpy as np
 import pytest
-
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
 
 from backend.data.chat import ChatRenderer, ChatTemplateError, read_chat_jsonl  # noqa: E402
 from backend.data.jsonl import DataFormatError  # noqa: E402

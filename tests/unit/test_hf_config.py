@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
 
 from backend.config.hf import (  # noqa: E402
     FIELDS,

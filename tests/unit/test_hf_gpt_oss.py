@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.config.hf import HFConfigError  # noqa: E402
 from backend.model.hf.gpt_oss import (  # noqa: E402

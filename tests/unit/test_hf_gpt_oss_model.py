@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.model.hf.export import export_hf_dir  # noqa: E402
 from backend.model.hf.gpt_oss import expert_fc1_weight, expert_fc2_weight  # noqa: E402

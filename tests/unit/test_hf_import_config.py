@@ -6,8 +6,7 @@ import json
 import shutil
 
 import pytest
-
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
 
 from backend.config import ConfigError, load_config, to_yaml, validate  # noqa: E402
 from backend.config.load import explicit_keys  # noqa: E402

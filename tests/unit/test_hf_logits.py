@@ -14,8 +14,7 @@ import json
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.config.hf import read_hf_config  # noqa: E402
 from backend.model.hf.export import export_hf_dir  # noqa: E402

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
 
 from backend.config.hf import read_hf_config  # noqa: E402
 from backend.model.hf.mapping import hf_to_megatron_names, ignorable_hf_names, megatron_to_hf  # noqa: E402

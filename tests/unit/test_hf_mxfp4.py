@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers.integrations.mxfp4 as mxfp4  # noqa: E402
 
 from backend.model.hf.mxfp4 import (
     dequantize_gpt_oss_expert,
@@ -11,8 +12,6 @@ from backend.model.hf.mxfp4 import (
     hf_expert_layout,
     mxfp4_pair,
 )
-
-mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
 
 def _random_pair(experts=3, rows=40, groups=4, seed=0, full_range=False):

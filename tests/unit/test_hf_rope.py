@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
 from backend.model.hf.rope import cos_sin, inv_freq  # noqa: E402
 
 CASES = {

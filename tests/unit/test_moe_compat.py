@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.megatron_compat import import_megatron_module  # noqa: E402
 from backend.model.attention import AttentionContext, core_attention_spec  # noqa: E402
+from backend.model.builder import PORTABLE_FUSIONS_OFF  # noqa: E402
 from backend.model.hf.gpt_oss import deinterleave_gate_up, load_moe_mlp, stack_experts_to_hf  # noqa: E402
 from backend.model.moe_compat import apply_moe_compat, moe_config_kwargs  # noqa: E402
 from backend.model.rope import Rope  # noqa: E402
@@ -53,12 +53,7 @@ def _moe_gpt(aux_loss_coeff=0.0, seed=0):
         attention_dropout=0.0,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **PORTABLE_FUSIONS_OFF,
         moe_z_loss_coeff=1e-3 if aux_loss_coeff else None,
         **moe_config_kwargs(num_experts=EXPERTS, topk=TOPK, moe_ffn_hidden_size=INTER, aux_loss_coeff=aux_loss_coeff),
     )

@@ -6,10 +6,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("matplotlib")
+import matplotlib  # noqa: E402,F401  (a dev dependency: a missing one fails, never skips)
 import matplotlib.image as mpimg  # noqa: E402
+import pytest
 
 from backend.batching import plan_dynamic  # noqa: E402
 

@@ -141,8 +141,9 @@ def test_flex_forward_matches_sdpa(window, with_sinks, cp_view):
 
 def test_matches_transformers_gpt_oss_eager_attention():
     """transformers' GPT-OSS eager attention (sink column, its own sliding-window mask) on valid queries."""
-    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
-    masking = pytest.importorskip("transformers.masking_utils")
+    from transformers import masking_utils as masking
+    from transformers.models.gpt_oss import modeling_gpt_oss as modeling
+
     q, k, v, q_pos, k_pos, k_valid, sinks = _batch(seed=3)
     module = torch.nn.Module()
     module.num_key_value_groups = H // HK
