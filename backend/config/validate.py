@@ -108,7 +108,7 @@ def _rope_errors(m) -> list[str]:
     return errors
 
 
-def _moe_attention_errors(m, layout: str) -> list[str]:
+def _moe_attention_errors(m) -> list[str]:
     """GPT-OSS keys: experts and top-k, the per-layer window list, kernels that carry sinks/windows."""
     errors = []
     if m.num_moe_experts:
@@ -136,15 +136,6 @@ def _moe_attention_errors(m, layout: str) -> list[str]:
         what = "model.attention_sinks" if m.attention_sinks else "model.sliding_window"
         if m.attention_backend == "te":
             errors.append(f"{what}: model.attention_backend=te does not carry sinks/windows yet (use flex or sdpa)")
-        if layout != "padded":
-            errors.append(
-                f"{what}: train.dynamic_batch_layout={layout!r}: only the padded layout carries sinks/windows for now"
-            )
-    if m.num_moe_experts and layout != "padded":
-        errors.append(
-            f"model.num_moe_experts: train.dynamic_batch_layout={layout!r}: the per-sample router statistics need "
-            "one sample per row (padded) for now"
-        )
     return errors
 
 
@@ -170,7 +161,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if head_dim % 2:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
-    errors += _moe_attention_errors(m, cfg.train.dynamic_batch_layout)
+    errors += _moe_attention_errors(m)
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"

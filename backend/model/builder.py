@@ -186,14 +186,16 @@ def token_losses(
 
     MoE models also get ``padding_mask`` (True at padding, megatron-core's convention), so padding
     never enters megatron-core's own router bookkeeping; ours (``moe_stats``) reads ``valid`` and
-    ``route_rows`` ([b] bool, False for rows that must not count: the zero-weight placeholder).
-    ``segments`` (packed rows): ``segment_ids``, ``cu_seqlens``, ``cu_seqlens_padded`` for the
-    attention context, so attention stays within each packed sequence.
+    ``route_rows`` (one bool per sample: False for samples that must not count, the zero-weight
+    placeholder). ``segments`` (packed rows): ``segment_ids``, ``cu_seqlens``, ``cu_seqlens_padded``
+    for the attention context, so attention stays within each packed sequence, and the router
+    statistics are per packed sequence (a sample), as they are per row when padded.
     """
     ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group, **(segments or {}))
     if getattr(model, "_moe_routers", None):
         from .moe_stats import routing_context
 
-        with routing_context(model, valid, cp_group=cp_group, rows=route_rows):
+        groups = segments["segment_ids"] if segments else None
+        with routing_context(model, valid, cp_group=cp_group, rows=route_rows, groups=groups):
             return model(tokens, positions, ctx, labels=labels, padding_mask=~valid).float()
     return model(tokens, positions, ctx, labels=labels).float()

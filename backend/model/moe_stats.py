@@ -16,6 +16,8 @@ layers`` = ``coeff / N_window * sum_s sum_layers L_s``. A sample always lies in 
 contributes its own tokens' share of ``P``), so every plan adds exactly the same terms: fixed and
 dynamic gradients agree up to summation order. Padding (``valid`` False) and the zero-weight
 placeholder microbatch never enter counts or probabilities, so right padding changes nothing.
+A sample is a *group* of tokens: a row in the padded layout, a segment of the one row in the
+packed layout (``segment_ids``), so padded, packed and fixed plans add the same terms.
 
 How: ``install(model, coeff)`` wraps each ``TopKRouter.gating`` (per instance) so the logits of
 every routed microbatch are seen once; ``routing_context`` (``builder.token_losses``) tells the
@@ -46,7 +48,7 @@ class MoEStats:
     coeff: float
     topk: int
     num_experts: int
-    current: tuple | None = None  # (valid [s, b] bool, cp_group) during a routed forward
+    current: tuple | None = None  # (valid [s*b] bool, group [s*b] int64, groups, cp_group) during a routed forward
     mb_aux: torch.Tensor | None = None  # sum over this microbatch's samples and layers of coeff * L_s
     counts: torch.Tensor | None = None  # [layers, E] float64 routed tokens of this rank in the window
     aux_sum: torch.Tensor | None = None  # sum over this rank's samples and layers of L_s (its share under CP)
@@ -59,21 +61,23 @@ class MoEStats:
 
 
 def _layer_stats(stats: MoEStats, router, logits: torch.Tensor) -> None:
-    valid, cp_group = stats.current
-    s, b, e = logits.shape
+    valid, group, groups, cp_group = stats.current
+    e = logits.shape[-1]
     with torch.set_grad_enabled(torch.is_grad_enabled() and stats.coeff > 0):
-        scores = torch.softmax(logits.float(), dim=-1)  # [s, b, E]
+        scores = torch.softmax(logits.float().reshape(-1, e), dim=-1)  # [tokens, E], token order s-major
         top = torch.topk(scores.detach(), k=stats.topk, dim=-1).indices
-        routed = torch.zeros(s, b, e, dtype=torch.float32, device=logits.device).scatter_(-1, top, 1.0)
-        m = valid[..., None].to(torch.float32)
-        local_counts = (routed * m).sum(0)  # [b, E]
-        counts, ntok = local_counts.clone(), valid.sum(0).to(torch.float32)  # [b]
+        routed = torch.zeros_like(scores, dtype=torch.float32).scatter_(-1, top, 1.0)
+        m = valid[:, None].to(torch.float32)
+        per_group = scores.new_zeros(groups, e, dtype=torch.float32)
+        local_counts = per_group.index_add(0, group, routed * m)  # [G, E]
+        counts = local_counts.clone()
+        ntok = scores.new_zeros(groups, dtype=torch.float32).index_add(0, group, m[:, 0])  # [G]
         if cp_group is not None and dist.get_world_size(cp_group) > 1:
             dist.all_reduce(counts, group=cp_group)
             dist.all_reduce(ntok, group=cp_group)
-        psum = (scores * m).sum(0)  # [b, E]: this rank's tokens' share of P (differentiable)
+        psum = per_group.index_add(0, group, scores * m)  # [G, E]: this rank's share of P (differentiable)
         denom = ntok.clamp(min=1.0)[:, None]
-        per_seq = e * (counts / (denom * stats.topk) * psum / denom).sum(-1)  # [b]; empty rows give 0
+        per_seq = e * (counts / (denom * stats.topk) * psum / denom).sum(-1)  # [G]; empty groups give 0
         total = per_seq.sum()
     layer = stats._index[id(router)]
     if stats.counts is None:
@@ -115,14 +119,26 @@ def stats_of(model) -> MoEStats | None:
 
 
 @contextlib.contextmanager
-def routing_context(model, valid: torch.Tensor, *, cp_group=None, rows: torch.Tensor | None = None):
-    """Within: the model's routers count only ``valid`` tokens ([b, s]) of ``rows`` ([b] bool)."""
+def routing_context(
+    model, valid: torch.Tensor, *, cp_group=None, rows: torch.Tensor | None = None, groups: torch.Tensor | None = None
+):
+    """Within: the model's routers count only ``valid`` tokens ([b, s]), per sample.
+
+    A sample is a row (``groups`` None: the padded layout) or, for a packed row, the sequence id
+    each token carries (``groups`` [b, s] int64, e.g. ``segment_ids``). ``rows`` ([samples] bool)
+    drops whole samples (False: the zero-weight placeholder)."""
     stats = stats_of(model)
     if stats is None:
         yield
         return
-    v = valid if rows is None else valid & rows.to(valid.device)[:, None]
-    stats.current = (v.t().contiguous(), cp_group)
+    b, s = valid.shape
+    if groups is None:
+        groups = torch.arange(b, device=valid.device)[:, None].expand(b, s)
+    groups = groups.to(valid.device)
+    count = int(rows.numel()) if rows is not None else int(groups.max()) + 1 if groups.numel() else 1
+    v = valid if rows is None else valid & rows.to(valid.device)[groups]
+    # megatron-core routes tokens in [s, b] order: flatten ours the same way.
+    stats.current = (v.t().reshape(-1), groups.t().reshape(-1), count, cp_group)
     try:
         yield
     finally:

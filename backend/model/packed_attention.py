@@ -19,6 +19,10 @@ Each backend pays only for same-sequence pairs:
   two calls per layer: one per local query chunk, causal bottom-right over the gathered keys up to
   that chunk's end. No arbitrary mask, so the fused kernels run (the unfused fallback never does).
 
+GPT-OSS sliding windows and sinks (``sinks_windows``) hold per sequence: sdpa runs
+``sdpa_sink_attention`` on each sequence with its in-sequence positions, flex adds the window to
+the document mask and the sinks through the log-sum-exp.
+
 The index arithmetic lives in small pure functions (``te_padded_cp_chunks``, ``gathered_to_global``,
 ``packed_real_key_index``), tested on CPU against the SDPA masks; the TE calls themselves are
 marked GPU code and tested by tests/gpu when Transformer Engine imports.
@@ -26,10 +30,14 @@ marked GPU code and tested by tests/gpu when Transformer Engine imports.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from backend.batching import cp_ranges
+
+from . import sinks_windows
 
 
 def _cp_size(ctx) -> int:
@@ -106,17 +114,30 @@ def packed_keys(k: torch.Tensor, v: torch.Tensor, ctx) -> tuple[torch.Tensor, to
     return k.index_select(2, index), v.index_select(2, index)
 
 
-def sdpa_packed(q, k, v, ctx, scale: float) -> torch.Tensor:
-    """q [1, h, s_local, d]; k, v [1, hk, s_keys, d] (CP-gathered under CP) -> [1, h, s_local, d]."""
+def sdpa_packed(q, k, v, ctx, scale: float, *, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [1, h, s_local, d]; k, v [1, hk, s_keys, d] (CP-gathered under CP) -> [1, h, s_local, d].
+
+    With a sliding ``window`` or ``sinks`` (GPT-OSS) each sequence runs
+    ``sinks_windows.sdpa_sink_attention`` on its own positions (keys at 0..l-1), so windows are
+    on in-sequence positions and every sequence sees the sink, as in the padded layout."""
     cp = _cp_size(ctx)
     if cp > 1:
         k, v = packed_keys(k, v, ctx)
+    plain = not window and sinks is None
     pieces, done = [], 0
-    for q0, q1, k0, k1, mask in _sdpa_plan(ctx, q.device):
+    for i, (q0, q1, k0, k1, mask) in enumerate(_sdpa_plan(ctx, q.device)):
         if q0 > done:
             pieces.append(q.new_zeros(q.shape[0], q.shape[1], q0 - done, q.shape[3]))
         qs, ks, vs = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
-        if mask is None:
+        if not plain:
+            build = functools.partial(_sequence_mask, ctx, q0, q1, k1 - k0, window)
+            allowed = ctx.cached(("packed_allowed", window, i), build)
+            pieces.append(
+                sinks_windows.sdpa_sink_attention(
+                    qs, ks, vs, None, None, None, window=window, sinks=sinks, scale=scale, mask=allowed
+                )
+            )
+        elif mask is None:
             pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
         else:
             pieces.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
@@ -124,6 +145,14 @@ def sdpa_packed(q, k, v, ctx, scale: float) -> torch.Tensor:
     if done < q.shape[2]:
         pieces.append(q.new_zeros(q.shape[0], q.shape[1], q.shape[2] - done, q.shape[3]))
     return torch.cat(pieces, dim=2)
+
+
+def _sequence_mask(ctx, q0: int, q1: int, n: int, window: int) -> torch.Tensor:
+    """[1, 1, q1 - q0, n] allowed mask of one packed sequence: its local queries (global in-sequence
+    positions) against its n real keys at positions 0..n-1."""
+    q_pos = ctx.positions[:, q0:q1]
+    k_pos = torch.arange(n, device=q_pos.device)[None]
+    return sinks_windows.allowed_mask(q_pos, k_pos, torch.ones_like(k_pos, dtype=torch.bool), window)
 
 
 def packed_dense_mask(ctx) -> torch.Tensor:
@@ -150,8 +179,9 @@ def key_segment_ids(ctx) -> torch.Tensor:
     return ctx.cached("key_segments", build)
 
 
-def flex_packed_block_mask(ctx, q, k):
-    """The document BlockMask (cross-sequence blocks skipped), built once per microbatch."""
+def flex_packed_block_mask(ctx, q, k, window: int = 0):
+    """The document BlockMask (cross-sequence blocks skipped; with ``window`` > 0 only the last
+    ``window`` positions of the query's own sequence), built once per microbatch and window."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
@@ -160,11 +190,14 @@ def flex_packed_block_mask(ctx, q, k):
         qpos, qseg = ctx.positions, ctx.segment_ids
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (kseg[b, kv_idx] == qseg[b, q_idx]) & (kpos[b, kv_idx] <= qpos[b, q_idx]) & kvalid[b, kv_idx]
+            same = (kseg[b, kv_idx] == qseg[b, q_idx]) & (kpos[b, kv_idx] <= qpos[b, q_idx]) & kvalid[b, kv_idx]
+            if window:
+                same = same & (kpos[b, kv_idx] > qpos[b, q_idx] - window)
+            return same
 
         return create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, BLOCK_SIZE=128)
 
-    return ctx.cached("block_mask", build)
+    return ctx.cached(("block_mask", window), build)
 
 
 # ---- Transformer Engine (GPU) -----------------------------------------------------------------

@@ -213,7 +213,11 @@ def context_block_mask(ctx, window: int, batch: int, sq: int, sk: int):
 
 
 def sdpa_kernel(q, k, v, ctx, scale: float, *, window: int = 0, sinks: torch.Tensor | None = None):
-    """``backend.model.attention`` kernel signature plus ``window`` and ``sinks``."""
+    """``backend.model.attention`` kernel signature plus ``window`` and ``sinks`` (padded or packed rows)."""
+    if ctx.is_packed:
+        from .packed_attention import sdpa_packed
+
+        return sdpa_packed(q, k, v, ctx, scale, window=window, sinks=sinks)
     k_pos, k_valid = ctx.key_positions()
     return sdpa_sink_attention(
         q, k, v, ctx.positions, k_pos, k_valid, window=window, sinks=sinks, scale=scale, mask=context_mask(ctx, window)
@@ -221,11 +225,15 @@ def sdpa_kernel(q, k, v, ctx, scale: float, *, window: int = 0, sinks: torch.Ten
 
 
 def flex_kernel(q, k, v, ctx, scale: float, *, window: int = 0, sinks: torch.Tensor | None = None):
-    """``backend.model.attention`` kernel signature plus ``window`` and ``sinks``."""
-    k_pos, k_valid = ctx.key_positions()
-    block_mask = context_block_mask(ctx, window, q.shape[0], q.shape[2], k.shape[2])
+    """``backend.model.attention`` kernel signature plus ``window`` and ``sinks`` (padded or packed rows)."""
+    if ctx.is_packed:
+        from .packed_attention import flex_packed_block_mask
+
+        block_mask = flex_packed_block_mask(ctx, q, k, window)
+    else:
+        block_mask = context_block_mask(ctx, window, q.shape[0], q.shape[2], k.shape[2])
     return flex_sink_attention(
-        q, k, v, ctx.positions, k_pos, k_valid, window=window, sinks=sinks, scale=scale, block_mask=block_mask
+        q, k, v, None, None, None, window=window, sinks=sinks, scale=scale, block_mask=block_mask
     )
 
 

@@ -1,6 +1,7 @@
 """Packed rows on CPU: the model computes per sequence exactly what padded rows compute; flex's
-document mask equals sdpa; per-sequence SDPA equals the dense document mask, at CP 1 and CP 2;
-forward-only log-probabilities agree between layouts."""
+document mask equals sdpa; per-sequence SDPA equals the dense document mask, at CP 1 and CP 2,
+with and without GPT-OSS sliding windows and attention sinks; forward-only log-probabilities
+agree between layouts."""
 
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ def _kernel_vs_dense(ctx, rng_seed: int, *, heads: int = 4, kv_heads: int = 2, d
     ref = F.scaled_dot_product_attention(q, kg, vg, attn_mask=packed_dense_mask(ctx), scale=0.3, enable_gqa=True)
     real = ctx.valid[0]
     return float((ours - ref)[:, :, real].abs().max())
+
+
+def _sinks_windows_vs_dense(ctx, rng_seed: int, window: int, *, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """Packed sdpa and flex with a window and sinks against the dense document mask restricted to
+    the window, with the sink column (``sdpa_sink_attention`` on the whole row): (sdpa, flex) diffs."""
+    import torch
+
+    from backend.model.attention import gather_cp
+    from backend.model.packed_attention import packed_dense_mask
+    from backend.model.sinks_windows import flex_kernel, sdpa_kernel, sdpa_sink_attention
+
+    g = torch.Generator().manual_seed(rng_seed)
+    s = ctx.positions.shape[1]
+    q = torch.randn(1, heads, s, dim, generator=g)
+    k = torch.randn(1, kv_heads, s, dim, generator=g)
+    v = torch.randn(1, kv_heads, s, dim, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    kg = gather_cp(k.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
+    vg = gather_cp(v.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
+    allowed = packed_dense_mask(ctx)
+    if window:
+        kpos, _ = ctx.key_positions()
+        allowed = allowed & (kpos[:, None, None, :] > ctx.positions[:, None, :, None] - window)
+    ref = sdpa_sink_attention(q, kg, vg, None, None, None, sinks=sinks, scale=0.3, mask=allowed)
+    real = ctx.valid[0]
+    ours = sdpa_kernel(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
+    flex = flex_kernel(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
+    return float((ours - ref)[:, :, real].abs().max()), float((flex - ref)[:, :, real].abs().max())
 
 
 def _context(batch, cp_group=None):
@@ -89,6 +118,7 @@ def dp_checks(rank: int, world: int):
         )
         out["flex_vs_sdpa"] = float((by_flex - by_packed)[packed.valid].abs().max())
         out["kernel_vs_dense"] = _kernel_vs_dense(_context(packed), 1)
+        out["sinks_windows_vs_dense"] = [_sinks_windows_vs_dense(_context(packed), 3, w) for w in (0, 1, 16)]
 
     model = build("sdpa")
     logprobs = {}
@@ -121,6 +151,7 @@ def cp_checks(rank: int, world: int):
     row = sum(round_up(n, 4) for n in LENGTHS) + 8
     batch = collate(samples, ids, Microbatch(tuple(ids), row, row // 2, 0, packed=True), cp_rank=env.cp_rank, cp_size=2)
     out = {"local_len": batch.tokens.shape[1], "kernel_vs_dense": _kernel_vs_dense(_context(batch, env.cp_group), 2)}
+    out["sinks_windows_vs_dense"] = [_sinks_windows_vs_dense(_context(batch, env.cp_group), 4, w) for w in (0, 1, 16)]
     cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "data.max_seq_length=256", "train.seed=7"])
     model = build_model(cfg, env, tokenizer_vocab=256, training=False).model
     with torch.no_grad():
@@ -150,6 +181,7 @@ def test_packed_row_equals_padded_rows_and_flex_equals_sdpa(dp_results):
         assert r["packed_vs_padded"] <= 1e-5
         assert r["flex_vs_sdpa"] <= 1e-5
         assert r["kernel_vs_dense"] <= 1e-5
+        assert all(sdpa <= 1e-5 and flex <= 1e-5 for sdpa, flex in r["sinks_windows_vs_dense"]), r
 
 
 def test_packed_logprobs_equal_padded_logprobs(dp_results):
@@ -162,4 +194,5 @@ def test_packed_under_cp2_equals_the_dense_document_mask(cp_results):
     for r in cp_results:
         assert r["local_len"] == r["row"] // 2
         assert r["kernel_vs_dense"] <= 1e-5
+        assert all(sdpa <= 1e-5 and flex <= 1e-5 for sdpa, flex in r["sinks_windows_vs_dense"]), r
         assert r["logprob_diff"] <= 1e-5
