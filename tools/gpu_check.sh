@@ -7,7 +7,8 @@
 #    beside the image's packages (tools/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
 # 2. The steps at the bottom, each under its timeout, all under one budget (GPU_CHECK_BUDGET_S,
 #    440 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
-#    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports), the
+#    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports, GPT-OSS
+#    sinks + sliding windows + MoE on flex (FP32) and on TE's softmax_type="learnable" (BF16)), the
 #    FlexAttention compile count with and without shape buckets, tools/bench_train.py on the GPU
 #    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
@@ -94,10 +95,10 @@ step() {
   echo "$name: $verdict in $((SECONDS - t0)) s${last:+; $last}" >> "$results"
 }
 
-step gpu_tests 110 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
+step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
 step flex_compile 50 "$py" tools/flex_compile_count.py --steps 4
-step bench_gpu 150 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
-step bench_qwen3_4b 130 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
+step bench_gpu 130 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+step bench_qwen3_4b 110 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
 
 files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {

@@ -132,10 +132,6 @@ def _moe_attention_errors(m) -> list[str]:
         errors.append("model.window_attn_skip_freq: entries must be 1 (sliding) or 0 (full)")
     if flags and not m.sliding_window:
         errors.append("model.window_attn_skip_freq: set model.sliding_window (the window's size) too")
-    if m.attention_sinks or m.sliding_window:
-        what = "model.attention_sinks" if m.attention_sinks else "model.sliding_window"
-        if m.attention_backend == "te":
-            errors.append(f"{what}: model.attention_backend=te does not carry sinks/windows yet (use flex or sdpa)")
     return errors
 
 

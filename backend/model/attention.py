@@ -162,10 +162,11 @@ def flex_kernel(q, k, v, ctx: AttentionContext, scale: float) -> torch.Tensor:
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
+def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float, *, window: int = 0, sinks=False):
     """Transformer Engine: THD for packed rows, padding_causal / two bottom-right calls per layer
-    for padded ones (see packed_attention); never the arbitrary-mask unfused fallback."""
-    return packed_attention.te_kernel_factory(num_heads, num_kv, head_dim, scale)
+    for padded ones (see packed_attention); never the arbitrary-mask unfused fallback. GPT-OSS
+    windows and sinks go to TE itself (``window_size``, ``softmax_type="learnable"``)."""
+    return packed_attention.te_kernel_factory(num_heads, num_kv, head_dim, scale, window=window, sinks=sinks)
 
 
 _KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel}
@@ -176,7 +177,13 @@ def resolve_backend(name: str, *, device: torch.device, training: bool = True, s
     te_ok, te_why = te_status()
     if name == "auto":
         if device.type == "cuda" and sinks_or_windows:
-            choice, why = "flex", "CUDA, and attention sinks / sliding windows (not wired for te)"
+            choice, why = (
+                "flex",
+                (
+                    "CUDA with attention sinks / sliding windows: flex runs them in every dtype and TE version "
+                    "(te needs Transformer Engine >= 2.8 and cuDNN >= 9.13 for sinks: choose it explicitly)"
+                ),
+            )
         elif device.type == "cuda" and te_ok:
             choice, why = "te", "CUDA and Transformer Engine are available"
         elif device.type == "cuda":
@@ -229,14 +236,17 @@ def core_attention_class(backend: str) -> type:
             self.softmax_offset = None
             if getattr(config, "softmax_type", "vanilla") == "learnable":
                 self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads))
-            if self.window or self.softmax_offset is not None:
-                if backend == "te":
-                    raise ValueError("attention sinks / sliding windows are not wired for te (use flex or sdpa)")
-                self.kernel = functools.partial(sinks_windows.KERNELS[backend], window=self.window)
-            elif backend == "te":
+            if backend == "te":
                 self.te_attention, self.kernel = te_kernel_factory(
-                    self.num_heads, self.num_kv, self.head_dim, self.scale
+                    self.num_heads,
+                    self.num_kv,
+                    self.head_dim,
+                    self.scale,
+                    window=self.window,
+                    sinks=self.softmax_offset is not None,
                 )
+            elif self.window or self.softmax_offset is not None:
+                self.kernel = functools.partial(sinks_windows.KERNELS[backend], window=self.window)
             else:
                 self.kernel = _KERNELS[backend]
 

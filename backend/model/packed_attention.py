@@ -21,7 +21,13 @@ Each backend pays only for same-sequence pairs:
 
 GPT-OSS sliding windows and sinks (``sinks_windows``) hold per sequence: sdpa runs
 ``sdpa_sink_attention`` on each sequence with its in-sequence positions, flex adds the window to
-the document mask and the sinks through the log-sum-exp.
+the document mask and the sinks through the log-sum-exp. te passes them to Transformer Engine:
+``window_size=(W - 1, 0)`` (bottom-right aligned in the padded CP calls, which is exactly "the W
+positions up to the query's own", since each call's last real query meets its last real key) and
+``softmax_type="learnable"`` reading the core attention's sinks (``te_lend_sinks``). What TE
+needs for them (read from its sources, 2.8 .. 2.18): sinks run on FusedAttention only (cuDNN
+>= 9.13.1, BF16/FP16; FP32 falls back to the unfused kernel, padded rows only), THD rows with sinks
+need TE >= 2.12 and cuDNN >= 9.18, and TE's CP takes windows and sinks only over ``a2a``.
 
 The index arithmetic lives in small pure functions (``te_padded_cp_chunks``, ``gathered_to_global``,
 ``packed_real_key_index``), tested on CPU against the SDPA masks; the TE calls themselves are
@@ -246,23 +252,78 @@ def cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
-def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):  # pragma: no cover - GPU
+def te_attention_kwargs(num_kv: int, scale: float, *, window: int, sinks: bool, accepted: set[str]) -> dict:
+    """``te.DotProductAttention`` keyword arguments for one layer (pure; tested on CPU).
+
+    ``window`` W > 0 -> ``window_size=(W - 1, 0)`` (the same W most recent positions as
+    ``sinks_windows``); ``sinks`` -> ``softmax_type="learnable"`` (Transformer Engine >= 2.8, whose
+    constructor is the first to take it: ``accepted`` is the constructor's parameter names).
+    """
+    kwargs = dict(
+        num_gqa_groups=num_kv,
+        attention_dropout=0.0,
+        qkv_format="bshd",
+        attn_mask_type="padding_causal",
+        softmax_scale=scale,
+    )
+    if window:
+        kwargs["window_size"] = (window - 1, 0)
+    if sinks:
+        if "softmax_type" not in accepted:
+            raise RuntimeError(
+                "model.attention_sinks with model.attention_backend=te needs Transformer Engine >= 2.8 "
+                "(DotProductAttention(softmax_type='learnable')); use flex, or upgrade Transformer Engine"
+            )
+        kwargs["softmax_type"] = "learnable"
+    return kwargs
+
+
+def te_cp_comm_type(*, window: int, sinks: bool, num_heads: int, num_kv: int, cp_size: int) -> str:
+    """Transformer Engine's CP exchange for packed (THD) rows: ``p2p`` (a ring), except that TE
+    runs sliding windows only with ``a2a`` / ``all_gather`` and sink softmax only with ``a2a``
+    (which scatters heads, so both head counts must divide by the CP size)."""
+    if not window and not sinks:
+        return "p2p"
+    if num_heads % cp_size or num_kv % cp_size:
+        raise RuntimeError(
+            f"model.attention_backend=te with sinks/windows on packed rows under context parallelism uses "
+            f"Transformer Engine's a2a exchange, which needs the head counts ({num_heads} query, {num_kv} "
+            f"key/value) divisible by parallel.context_parallel_size={cp_size}; use flex or the padded layout"
+        )
+    return "a2a"
+
+
+def te_lend_sinks(module: torch.nn.Module, sinks: torch.Tensor) -> None:
+    """Make a TE ``DotProductAttention(softmax_type="learnable")`` read ``sinks`` as its offset.
+
+    TE registers its own ``softmax_offset`` parameter (uninitialised before TE 2.14) and reads
+    ``self.softmax_offset`` in forward (no forward argument). The sinks are ours: the core
+    attention's ``softmax_offset`` (the checkpoint's and Hugging Face's ``sinks``). So TE's
+    parameter is dropped once, and before each call the tensor the core attention holds *now*
+    (FSDP2 swaps sharded and unsharded parameters between calls, so no reference is kept) is put
+    in the module's instance dict, where attribute lookup finds it before ``Module.__getattr__``.
+    """
+    module._parameters.pop("softmax_offset", None)
+    module.__dict__["softmax_offset"] = sinks
+
+
+def te_kernel_factory(
+    num_heads: int, num_kv: int, head_dim: int, scale: float, *, window: int = 0, sinks: bool = False
+):  # pragma: no cover - GPU
     """A TE kernel for padded and packed microbatches. Returns (modules to register, kernel);
-    the kernel takes LOCAL keys and values (``kernel.local_kv``): it gathers what it needs."""
+    the kernel takes LOCAL keys and values (``kernel.local_kv``): it gathers what it needs.
+    GPT-OSS: ``window`` (0 = full) and ``sinks`` (the kernel then takes ``sinks=`` per call)."""
+    import inspect
+
     import transformer_engine.pytorch as te
 
     from .attention import gather_cp
 
+    accepted = set(inspect.signature(te.DotProductAttention.__init__).parameters)
+    kwargs = te_attention_kwargs(num_kv, scale, window=window, sinks=sinks, accepted=accepted)
+
     def make():
-        return te.DotProductAttention(
-            num_heads,
-            head_dim,
-            num_gqa_groups=num_kv,
-            attention_dropout=0.0,
-            qkv_format="bshd",
-            attn_mask_type="padding_causal",
-            softmax_scale=scale,
-        )
+        return te.DotProductAttention(num_heads, head_dim, **kwargs)
 
     modules = torch.nn.ModuleDict({"local": make(), "cp": make()})
     state = {"cp_group": None}
@@ -280,7 +341,8 @@ def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
             attn = modules["cp"]
             if state["cp_group"] is not ctx.cp_group:
                 ranks = dist.get_process_group_ranks(ctx.cp_group)
-                attn.set_context_parallel_group(ctx.cp_group, ranks, torch.cuda.Stream(), "p2p")
+                comm = te_cp_comm_type(window=window, sinks=sinks, num_heads=num_heads, num_kv=num_kv, cp_size=cp)
+                attn.set_context_parallel_group(ctx.cp_group, ranks, torch.cuda.Stream(), comm)
                 state["cp_group"] = ctx.cp_group
         lengths, segments = segments_of(ctx)
         t = q.shape[2]
@@ -339,7 +401,10 @@ def te_kernel_factory(num_heads: int, num_kv: int, head_dim: int, scale: float):
             outs.append(out.view(b, e - a, num_heads, head_dim))
         return torch.cat(outs, dim=1).transpose(1, 2)
 
-    def kernel(q, k, v, ctx, _scale: float) -> torch.Tensor:
+    def kernel(q, k, v, ctx, _scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            for module in modules.values():
+                te_lend_sinks(module, sinks)
         return packed(q, k, v, ctx) if ctx.is_packed else padded(q, k, v, ctx)
 
     kernel.local_kv = True

@@ -1,4 +1,5 @@
-"""GPU-only checks: FlexAttention backward on CUDA, a BF16 train step, Transformer Engine.
+"""GPU-only checks: FlexAttention backward on CUDA, a BF16 train step, Transformer Engine, and the
+GPT-OSS attention (sinks + sliding windows, MoE) on flex and TE against sdpa, padded and packed.
 
 Each is marked and skips with its reason where there is no CUDA device (or no TE); the CPU
 paths they mirror are tested in tests/distributed.
@@ -81,6 +82,84 @@ def test_packed_rows_match_sdpa(tmp_path, backend):
             pytest.skip(f"needs Transformer Engine: {why}")
     r = run_ranks(backend_vs_sdpa, 1, tmp_path, backend, "packed", backend="nccl", timeout=600)[0]
     assert r["fwd_diff"] <= 2e-2 and r["grad_cos"] >= 0.999, r
+
+
+OSS = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.attention_sinks=true",
+    "model.attention_bias=true",
+    "model.sliding_window=64",
+    "model.window_attn_skip_freq=[1,0]",
+]
+
+
+def oss_backend_vs_sdpa(rank: int, world: int, backend: str, precision: str):
+    """A random GPT-OSS-style model (sinks drawn at random, window 64 then full, 4 experts top 2):
+    ``backend`` against sdpa on one padded and one packed microbatch of the same sequences."""
+    from backend.config import load_config
+    from backend.distributed.setup import init_distributed
+    from backend.model.factory import build_model
+    from backend.train.step import microbatch_token_losses
+
+    env = init_distributed(1)
+    base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=1024", "train.seed=3", *OSS]
+    out = {}
+    for layout in ("padded", "packed"):
+        batch = _batch(env.device, layout)
+        losses, grads = {}, {}
+        for name in ("sdpa", backend):
+            cfg = load_config(None, [*base, f"model.attention_backend={name}", f"train.precision={precision}"])
+            model = build_model(cfg, env, tokenizer_vocab=256).model
+            sinks = [m.softmax_offset for m in model.modules() if getattr(m, "softmax_offset", None) is not None]
+            assert len(sinks) == 2
+            g = torch.Generator().manual_seed(11)
+            with torch.no_grad():  # one rank: the FSDP2 shard is the whole vector
+                for s in sinks:
+                    local = s.to_local() if hasattr(s, "to_local") else s
+                    local.copy_(torch.randn(local.shape, generator=g).to(local.device, local.dtype))
+            per_token = microbatch_token_losses(model, batch)
+            ((per_token * batch.loss_weight).sum() / batch.loss_mask.sum()).backward()
+            losses[name] = per_token.detach()[batch.valid].float().cpu()
+            grads[name] = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()]).cpu()
+        diff = (losses["sdpa"] - losses[backend]).abs()
+        g0, g1 = grads["sdpa"], grads[backend]
+        out[layout] = {
+            "loss_max_diff": float(diff.max()),
+            "loss_mean_diff": float(diff.mean()),
+            "grad_cos": float(torch.dot(g0, g1) / (g0.norm() * g1.norm())),
+        }
+    return out
+
+
+@pytest.mark.parametrize("backend", ["flex", "te"])
+def test_gpt_oss_sinks_and_windows_match_sdpa(tmp_path, backend):
+    """flex: FP32, forward and backward (the sinks' gradient through flex's log-sum-exp). te: BF16,
+    ``softmax_type="learnable"`` + ``window_size`` on FusedAttention; packed (THD) rows with sinks
+    need TE >= 2.12 (and cuDNN >= 9.18): on an older TE the padded half alone is checked."""
+    precision = "fp32"
+    te_thd_sinks = True
+    if backend == "te":
+        from backend.megatron_compat import te_status
+
+        ok, why = te_status()
+        if not ok:
+            pytest.skip(f"needs Transformer Engine: {why}")
+        import importlib.metadata
+
+        from packaging.version import Version
+
+        te_version = Version(importlib.metadata.version("transformer_engine").split("+")[0])
+        if te_version < Version("2.8"):
+            pytest.skip(f"needs Transformer Engine >= 2.8 for softmax_type='learnable' (found {te_version})")
+        te_thd_sinks = te_version >= Version("2.12")
+        precision = "bf16"
+    r = run_ranks(oss_backend_vs_sdpa, 1, tmp_path, backend, precision, backend="nccl", timeout=600)[0]
+    print(backend, precision, r)
+    tol = {"fp32": (1e-3, 0.9999), "bf16": (2e-2, 0.99)}[precision]
+    for layout in ("padded", "packed") if te_thd_sinks else ("padded",):
+        res = r[layout]
+        assert res["loss_mean_diff"] <= tol[0] and res["grad_cos"] >= tol[1], (layout, res)
 
 
 def test_bf16_train_step_tracks_fp32(tmp_path, embedded_cache):

@@ -263,7 +263,6 @@ def _full(t):
     "overrides,match",
     [
         (["model.num_moe_experts=4", "model.moe_router_topk=5"], "model.moe_router_topk=5"),
-        (["model.attention_sinks=true", "model.attention_backend=te"], "te does not carry sinks"),
         (["model.sliding_window=8", "model.window_attn_skip_freq=[1,0,1]"], "one per layer needed"),
         (["model.attention_bias=true"], "model.attention_bias: needs model.num_moe_experts"),
         (["model.moe_aux_loss_coeff=0.1"], "model.moe_aux_loss_coeff: needs"),

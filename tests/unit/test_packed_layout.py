@@ -79,10 +79,12 @@ def test_real_key_index_selects_every_sequence_in_position_order(cp):
     assert torch.equal(picked, expected)
 
 
+@pytest.mark.parametrize("window", [0, 1, 3])
 @pytest.mark.parametrize("cp", [2, 3])
-def test_te_padded_cp_calls_reproduce_the_padded_mask(cp):
+def test_te_padded_cp_calls_reproduce_the_padded_mask(cp, window):
     """Two bottom-right calls per rank give every real query exactly the keys the dense padded mask
-    allows (causal on global positions, padded keys never)."""
+    allows (causal on global positions, padded keys never), also with a sliding window: TE's
+    bottom-right ``window_size=(W - 1, 0)`` keeps the W keys up to the query's own."""
     padded_len = 2 * cp * 5
     seq_lengths = [1, 4, 5, 6, 17, padded_len]
     order = te_global_order_index(padded_len, cp)
@@ -102,5 +104,48 @@ def test_te_padded_cp_calls_reproduce_the_padded_mask(cp):
                     if p >= n:  # a padding query: its output is never read
                         continue
                     assert t < q_len
-                    te_keys = [u for u in range(kv_len) if u <= t + (kv_len - q_len)]  # bottom-right causal
-                    assert te_keys == [k for k in range(padded_len) if k <= p and k < n]
+                    diag = t + (kv_len - q_len)  # bottom-right causal: the query's own key
+                    te_keys = [u for u in range(kv_len) if u <= diag and (not window or u > diag - window)]
+                    dense = [k for k in range(padded_len) if k <= p and k < n and (not window or k > p - window)]
+                    assert te_keys == dense
+
+
+def test_te_attention_arguments_for_sinks_and_windows():
+    """What the te kernel asks Transformer Engine for (the calls themselves are GPU tests)."""
+    from backend.model.packed_attention import te_attention_kwargs, te_cp_comm_type
+
+    new_te = {"softmax_type", "window_size"}
+    plain = te_attention_kwargs(2, 0.125, window=0, sinks=False, accepted=set())
+    assert "window_size" not in plain and "softmax_type" not in plain and plain["num_gqa_groups"] == 2
+    oss = te_attention_kwargs(2, 0.125, window=128, sinks=True, accepted=new_te)
+    assert oss["window_size"] == (127, 0) and oss["softmax_type"] == "learnable"
+    with pytest.raises(RuntimeError, match="Transformer Engine >= 2.8"):
+        te_attention_kwargs(2, 0.125, window=0, sinks=True, accepted={"window_size"})
+    assert te_cp_comm_type(window=0, sinks=False, num_heads=6, num_kv=3, cp_size=4) == "p2p"
+    assert te_cp_comm_type(window=128, sinks=True, num_heads=64, num_kv=8, cp_size=2) == "a2a"
+    with pytest.raises(RuntimeError, match="divisible by parallel.context_parallel_size=4"):
+        te_cp_comm_type(window=128, sinks=False, num_heads=6, num_kv=3, cp_size=4)
+
+
+def test_te_lend_sinks_reads_the_current_tensor_and_keeps_one_parameter():
+    """A module that, like TE's DotProductAttention, registers ``softmax_offset`` and reads it as
+    ``self.softmax_offset``: after lending it reads the tensor lent last (the gradient reaches
+    it) and no longer owns a parameter of that name (the checkpoint holds the sinks once)."""
+    from backend.model.packed_attention import te_lend_sinks
+
+    class ReadsOffset(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_parameter("softmax_offset", torch.nn.Parameter(torch.full((3,), float("nan"))))
+
+        def forward(self, x):
+            return x * self.softmax_offset.reshape(1, -1)
+
+    module = ReadsOffset()
+    first = torch.nn.Parameter(torch.ones(3))
+    te_lend_sinks(module, first)
+    assert "softmax_offset" not in dict(module.named_parameters()) and "softmax_offset" not in module.state_dict()
+    second = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    te_lend_sinks(module, second)  # FSDP2 swapped the parameter: the module must read the new one
+    module(torch.ones(2, 3)).sum().backward()
+    assert first.grad is None and second.grad.tolist() == [2.0, 2.0, 2.0]
