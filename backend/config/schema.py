@@ -121,7 +121,7 @@ class ModelConfig:
     # Which layers use the window: one 1 (sliding) / 0 (full) per layer; empty = every layer.
     # GPT-OSS alternates [1, 0, 1, 0, ...] (HF layer_types sliding_attention / full_attention).
     window_attn_skip_freq: list[int] = field(default_factory=list)
-    # Experts per MoE layer; 0 = dense SwiGLU MLP. Experts are megatron-core SequentialMLP.
+    # Experts per MoE layer; 0 = dense SwiGLU MLP. Experts are stacked, run by grouped GEMMs (grouped_experts).
     num_moe_experts: int = 0
     # Experts each token is routed to (top-k over router logits, softmax over the k).
     moe_router_topk: int = 2

@@ -1,8 +1,8 @@
 """Build megatron-core's ``GPTModel`` (Llama / Qwen3 / Qwen2 / GPT-OSS style) with our core attention.
 
 GPT-OSS (``model.num_moe_experts`` > 0, ``attention_sinks``, ``sliding_window``): megatron-core's
-MoE layer on its CPU-safe path (``moe_compat``: TopKRouter, allgather dispatcher, SequentialMLP
-experts with biases and the clamped SwiGLU), ``softmax_type="learnable"`` (our core attention
+MoE layer on its CPU-safe path (``moe_compat``: TopKRouter, allgather dispatcher) with our stacked
+``grouped_experts`` in its experts slot (biases and the clamped SwiGLU, grouped GEMMs), ``softmax_type="learnable"`` (our core attention
 holds the sinks as ``softmax_offset``), ``window_size=(W - 1, 0)`` with a per-layer
 ``window_attn_skip_freq`` list. megatron-core's own load-balancing loss is off: the aux loss is
 ours, per sequence and normalised per window (``moe_stats``), so fixed and dynamic plans agree.
@@ -158,6 +158,10 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
     max_positions = model_cfg.max_position_embeddings or max_seq_length
     rope = Rope.from_config(model_cfg, head_dim=config.kv_channels, max_position_embeddings=max_positions)
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
+    if experts:  # stacked experts, one grouped GEMM per projection (grouped_experts), not SequentialMLP
+        from .grouped_experts import experts_spec
+
+        spec.submodules.mlp.submodules.experts = experts_spec()
     cpu_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

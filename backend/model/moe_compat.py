@@ -1,11 +1,12 @@
-"""megatron-core 0.16.1's mixture-of-experts layer on CPU (and without Transformer Engine): four narrow fixes.
+"""megatron-core 0.16.1's mixture-of-experts layer on CPU (and without Transformer Engine): three narrow fixes.
 
 The MoE path we use is the one that runs without CUDA-only kernels: ``TopKRouter`` (softmax score
-function), the ``allgather`` token dispatcher (expert parallel size 1) and ``SequentialMLP`` local
-experts (``moe_grouped_gemm=False``; ``GroupedMLP`` needs the CUDA ``grouped_gemm`` package and
-``TEGroupedMLP`` needs Transformer Engine). Reading 0.16.1's ``transformer/moe`` sources, that path
-constructs on CPU but fails at its first forward, for three reasons (plus one cost); ``apply_moe_compat()``
-patches exactly these, once per process (idempotent), and each patch is a no-op where the original
+function) and the ``allgather`` token dispatcher (expert parallel size 1), with our stacked
+``grouped_experts`` in the experts slot (megatron-core's ``GroupedMLP`` needs the CUDA
+``grouped_gemm`` package, ``TEGroupedMLP`` Transformer Engine, and ``SequentialMLP`` runs the
+experts one by one). Reading 0.16.1's ``transformer/moe`` sources, that path constructs on CPU but
+fails at its first forward, for two reasons (plus one cost); ``apply_moe_compat()`` patches
+exactly these, once per process (idempotent), and each patch is a no-op where the original
 already works:
 
 1. ``Router.gating`` (router.py) moves the router weight and bias to
@@ -18,14 +19,7 @@ already works:
    every router forward raises ``NameError`` (on CPU and on CUDA without TE). Patched: the module
    global is set to None when missing, which selects megatron-core's own ``torch.mm`` / ``addmm``
    fallback (and its matching backward).
-3. With expert biases (``add_bias_linear``, GPT-OSS) and expert tensor parallel size 1, ``MLP.forward``
-   adds the fc2 bias in place (``output += output_bias * per_token_scale``) to the output of
-   ``RowParallelLinear``, which is the input returned as-is by ``_ReduceFromModelParallelRegion``;
-   autograd forbids that ("a view ... modified inplace", under grad mode on any device). Patched:
-   ``SequentialMLP.__init__`` gives each local expert's ``linear_fc2`` a forward hook returning a
-   clone of the output when its layer has biases (one copy of the expert's output tokens).
-
-4. ``TopKRouter._apply_expert_bias`` is wrapped in ``torch.compile`` (megatron-core's ``jit_fuser``)
+3. ``TopKRouter._apply_expert_bias`` is wrapped in ``torch.compile`` (megatron-core's ``jit_fuser``)
    and called at every training-mode routing, even when expert-bias balancing is off and it does
    nothing: on CPU that compiles an Inductor C++ kernel once per process (about 10 s here, and a
    C++ toolchain is required). Patched: CPU routing maps call the uncompiled original
@@ -34,7 +28,8 @@ already works:
 Not patched, because the path above does not reach them: ``TopKRouter.__init__`` allocates on
 CUDA only with ``moe_router_enable_expert_bias`` or a ``global_aux_loss`` (leave both off on
 CPU); ``MoEAlltoAllTokenDispatcher`` makes a CUDA stream in its constructor (use ``allgather``);
-``GroupedMLP`` allocates on ``torch.cuda.current_device()``; ``track_moe_metrics(force_initialize
+``GroupedMLP`` allocates on ``torch.cuda.current_device()``; ``SequentialMLP`` with expert biases
+adds the fc2 bias in place to a view autograd protects; ``track_moe_metrics(force_initialize
 =True)`` (a logging helper we do not call) allocates on "cuda". The aux-loss and z-loss trackers
 (``save_to_aux_losses_tracker``) allocate on the loss's device and work on CPU (tested with
 ``aux_loss`` + z-loss).
@@ -92,32 +87,13 @@ def _patch_expert_bias_update(topk_router_cls) -> bool:
     return True
 
 
-def _clone_output(module, args, output):
-    out, bias = output
-    return out.clone(), bias
-
-
-def _patch_sequential_mlp(sequential_cls) -> None:
-    original = sequential_cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.config.add_bias_linear:
-            for expert in self.local_experts:
-                expert.linear_fc2.register_forward_hook(_clone_output)
-
-    __init__._moe_compat_original = original
-    sequential_cls.__init__ = __init__
-
-
 def apply_moe_compat() -> list[str]:
-    """Apply the fixes above (once per process) and return their names. Call before building a model
-    with MoE layers (the expert hook is registered at construction)."""
+    """Apply the fixes above (once per process) and return their names. Call before a model with
+    MoE layers runs."""
     if _APPLIED:
         return list(_APPLIED)
     router = import_megatron_module("megatron.core.transformer.moe.router")
     moe_utils = import_megatron_module("megatron.core.transformer.moe.moe_utils")
-    experts = import_megatron_module("megatron.core.transformer.moe.experts")
     _patch_router_gating(router.Router)
     _APPLIED.append("Router.gating: no move to CUDA for CPU inputs")
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -125,8 +101,6 @@ def apply_moe_compat() -> list[str]:
         _APPLIED.append("moe_utils.te_general_gemm = None (Transformer Engine absent)")
     if _patch_expert_bias_update(router.TopKRouter):
         _APPLIED.append("TopKRouter._apply_expert_bias: eager on CPU (no Inductor compile)")
-    _patch_sequential_mlp(experts.SequentialMLP)
-    _APPLIED.append("SequentialMLP: expert fc2 output cloned before the in-place bias add")
     log.info("megatron-core MoE compatibility: %s", "; ".join(_APPLIED))
     return list(_APPLIED)
 

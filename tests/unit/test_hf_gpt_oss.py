@@ -62,10 +62,10 @@ def test_param_maps_cover_every_hf_tensor():
     assert len({pm.megatron for pm in maps}) == len(maps)
     assert sum(pm.to_megatron([state[n] for n in pm.hf]).numel() for pm in maps) == gpt_oss_num_parameters(fields)
     byname = {pm.megatron: pm for pm in maps}
-    fc1 = byname["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
-    w = fc1.to_megatron([state[n] for n in fc1.hf])
+    fc1 = byname["decoder.layers.1.mlp.experts.fc1_weight"]
+    w = fc1.to_megatron([state[n] for n in fc1.hf])[3]  # expert 3: [hidden, 2I], gate units first
     gate_up = state["model.layers.1.mlp.experts.gate_up_proj"][3]  # [hidden, 2I], interleaved
-    assert torch.equal(w[:48], gate_up[:, 0::2].t()) and torch.equal(w[48:], gate_up[:, 1::2].t())
+    assert torch.equal(w[:, :48], gate_up[:, 0::2]) and torch.equal(w[:, 48:], gate_up[:, 1::2])
 
 
 def test_read_expert_tensor_dequantises_mxfp4_pairs():

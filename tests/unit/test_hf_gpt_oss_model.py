@@ -18,7 +18,7 @@ import torch
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.model.hf.export import export_hf_dir  # noqa: E402
-from backend.model.hf.gpt_oss import expert_fc1_weight, expert_fc2_weight  # noqa: E402
+from backend.model.hf.gpt_oss import deinterleave_gate_up  # noqa: E402
 from backend.train.hf_export import full_named_tensors  # noqa: E402
 from tests.helpers.hf_tiny import (  # noqa: E402
     build_from_hf,
@@ -116,14 +116,10 @@ def test_mxfp4_experts_dequantise_bitwise_as_transformers(world, gpt_oss, tmp_pa
             dense[f"model.layers.{layer}.mlp.experts.gate_up_proj"],
             dense[f"model.layers.{layer}.mlp.experts.down_proj"],
         )
-        for e in range(4):
-            pre = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
-            assert torch.equal(
-                params[pre + "linear_fc1.weight"].view(torch.int32), expert_fc1_weight(gu, e).view(torch.int32)
-            )
-            assert torch.equal(
-                params[pre + "linear_fc2.weight"].view(torch.int32), expert_fc2_weight(dn, e).view(torch.int32)
-            )
+        pre = f"decoder.layers.{layer}.mlp.experts."
+        fc1, fc2 = params[pre + "fc1_weight"], params[pre + "fc2_weight"]
+        assert torch.equal(fc1.view(torch.int32), deinterleave_gate_up(gu).contiguous().view(torch.int32))
+        assert torch.equal(fc2.view(torch.int32), dn.view(torch.int32))
     # And the model computes what transformers computes with those dequantised experts.
     with torch.no_grad():
         for layer, mod in enumerate(hf.model.layers):

@@ -1,8 +1,10 @@
-"""megatron-core 0.16.1 MoE layers train on CPU with ``apply_moe_compat`` and match GPT-OSS's MoE MLP.
+"""megatron-core 0.16.1 MoE layers train on CPU with ``apply_moe_compat`` and our stacked experts
+(``grouped_experts``), and match GPT-OSS's MoE MLP.
 
 A tiny GPTModel (2 layers, 4 experts, top 2, biases everywhere, GPT-OSS's clamped SwiGLU) runs
 forward and backward on CPU in a one-process gloo world; one layer's MoE MLP, loaded with a
-transformers ``GptOssMLP``'s weights through ``backend.model.hf.gpt_oss``, gives its outputs.
+transformers ``GptOssMLP``'s weights through ``backend.model.hf.gpt_oss``'s maps, gives its
+outputs, through the grouped GEMM and through the per-expert fallback alike.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import transformers  # noqa: E402  (a dev dependency: a missing one fails, never
 from backend.megatron_compat import import_megatron_module  # noqa: E402
 from backend.model.attention import AttentionContext, core_attention_spec  # noqa: E402
 from backend.model.builder import PORTABLE_FUSIONS_OFF  # noqa: E402
-from backend.model.hf.gpt_oss import deinterleave_gate_up, load_moe_mlp, stack_experts_to_hf  # noqa: E402
+from backend.model.grouped_experts import experts_spec  # noqa: E402
+from backend.model.hf.gpt_oss import deinterleave_gate_up, gpt_oss_fields, gpt_oss_param_maps  # noqa: E402
 from backend.model.moe_compat import apply_moe_compat, moe_config_kwargs  # noqa: E402
 from backend.model.rope import Rope  # noqa: E402
 
@@ -59,6 +62,7 @@ def _moe_gpt(aux_loss_coeff=0.0, seed=0):
     )
     spec = specs.get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec("sdpa", Rope(head_dim=8))
+    spec.submodules.mlp.submodules.experts = experts_spec()
     torch.manual_seed(seed)
     return gpt.GPTModel(
         config=config,
@@ -85,18 +89,13 @@ def test_moe_gpt_trains_on_cpu(world, aux_loss_coeff):
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     for layer in range(2):
         assert float(grads[f"decoder.layers.{layer}.mlp.router.weight"].abs().sum()) > 0
-        hit = [
-            float(grads[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc2.bias"].abs().sum()) > 0
-            for e in range(EXPERTS)
-        ]
+        hit = [float(g.abs().sum()) > 0 for g in grads[f"decoder.layers.{layer}.mlp.experts.fc2_bias"]]
         assert sum(hit) >= TOPK  # 19 tokens, top 2 of 4: several experts receive gradient
     assert float(grads["decoder.layers.0.self_attention.linear_proj.bias"].abs().sum()) > 0
 
 
-def _hf_mlp(seed=0):
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-
-    cfg = transformers.GptOssConfig(
+def _hf_config(**kw):
+    return transformers.GptOssConfig(
         hidden_size=HIDDEN,
         intermediate_size=INTER,
         num_local_experts=EXPERTS,
@@ -106,8 +105,14 @@ def _hf_mlp(seed=0):
         num_key_value_heads=2,
         head_dim=8,
         vocab_size=64,
+        **kw,
     )
-    mlp = GptOssMLP(cfg).float().eval()
+
+
+def _hf_mlp(seed=0):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    mlp = GptOssMLP(_hf_config()).float().eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in mlp.named_parameters():
@@ -116,12 +121,42 @@ def _hf_mlp(seed=0):
     return mlp
 
 
-def test_moe_mlp_matches_transformers_gpt_oss_mlp(world):
+@torch.no_grad()
+def _load_layer_mlp(layer_mlp, layer: int, hf_state: dict) -> None:
+    """One layer's MoE MLP from a ``GptOssMLP`` state dict, through the import maps."""
+    fields = gpt_oss_fields(_hf_config(tie_word_embeddings=False).to_dict())
+    params = dict(layer_mlp.named_parameters())
+    prefix, hf_prefix = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    for pm in gpt_oss_param_maps(fields):
+        if pm.megatron.startswith(prefix):
+            params[pm.megatron.removeprefix(prefix)].copy_(
+                pm.to_megatron([hf_state[n.removeprefix(hf_prefix)] for n in pm.hf])
+            )
+
+
+def _export_layer_mlp(layer_mlp, layer: int) -> dict:
+    fields = gpt_oss_fields(_hf_config(tie_word_embeddings=False).to_dict())
+    params = dict(layer_mlp.named_parameters())
+    prefix, hf_prefix = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    out = {}
+    for pm in gpt_oss_param_maps(fields):
+        if pm.megatron.startswith(prefix):
+            for n, t in zip(pm.hf, pm.to_hf(params[pm.megatron.removeprefix(prefix)].detach()), strict=True):
+                out[n.removeprefix(hf_prefix)] = t
+    return out
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert_loop"])
+def test_moe_mlp_matches_transformers_gpt_oss_mlp(world, monkeypatch, grouped):
+    from backend.model import grouped_experts
+
+    if not grouped:
+        monkeypatch.setattr(grouped_experts, "grouped_mm_applies", lambda x, w: False)
     model = _moe_gpt().eval()
     layer_mlp = model.decoder.layers[1].mlp
     hf = _hf_mlp()
     state = {k: v.detach() for k, v in hf.state_dict().items()}
-    load_moe_mlp(layer_mlp, state)
+    _load_layer_mlp(layer_mlp, 1, state)
     g = torch.Generator().manual_seed(1)
     x = 2.0 * torch.randn(2, 9, HIDDEN, generator=g)  # [b, s, h]
     with torch.no_grad():
@@ -138,48 +173,78 @@ def test_moe_mlp_matches_transformers_gpt_oss_mlp(world):
     wrong = dict(state)
     wrong["experts.gate_up_proj"] = deinterleave_gate_up(state["experts.gate_up_proj"])
     wrong["experts.gate_up_proj_bias"] = deinterleave_gate_up(state["experts.gate_up_proj_bias"])
-    load_moe_mlp(layer_mlp, wrong)
+    _load_layer_mlp(layer_mlp, 1, wrong)
     with torch.no_grad():
         bad, _ = layer_mlp(x.transpose(0, 1).contiguous())
     assert float((bad.transpose(0, 1) - ref).abs().max()) > 1e-1
 
     # Export is the inverse of import.
-    load_moe_mlp(layer_mlp, state)
-    experts = layer_mlp.experts.local_experts
-    back = stack_experts_to_hf(
-        [e.linear_fc1.weight for e in experts],
-        [e.linear_fc1.bias for e in experts],
-        [e.linear_fc2.weight for e in experts],
-        [e.linear_fc2.bias for e in experts],
-    )
+    _load_layer_mlp(layer_mlp, 1, state)
+    back = _export_layer_mlp(layer_mlp, 1)
+    assert set(back) == {k for k in state if k.startswith("experts.") or k.startswith("router.")}
     for name, t in back.items():
-        assert torch.equal(t, state[f"experts.{name}"]), name
+        assert torch.equal(t, state[name]), name
+
+
+def test_grouped_gemm_and_per_expert_loop_agree_in_backward(world, monkeypatch):
+    """The two execution paths of ``GroupedExperts`` (one grouped GEMM per projection, or a loop
+    over experts) give the same gradients, including experts that receive no token."""
+    from backend.model import grouped_experts
+
+    torch.manual_seed(3)
+    experts = grouped_experts.grouped_experts_class()(EXPERTS, _moe_gpt().config)
+    tokens = torch.randn(11, HIDDEN)
+    counts = torch.tensor([4, 0, 7, 0])  # two experts idle
+    probs = torch.rand(11)
+
+    def grads():
+        experts.zero_grad(set_to_none=True)
+        x = tokens.clone().requires_grad_()
+        out, bias = experts(x, counts, probs)
+        assert bias is None and out.shape == (11, HIDDEN)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [x.grad] + [p.grad for p in experts.parameters()]
+
+    fast = grads()
+    monkeypatch.setattr(grouped_experts, "grouped_mm_applies", lambda x, w: False)
+    slow = grads()
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert float(fast[-1][1].abs().sum()) == 0 and float(fast[-1][0].abs().sum()) > 0  # idle expert: no gradient
 
 
 def test_apply_moe_compat_is_idempotent():
     first = apply_moe_compat()
     assert apply_moe_compat() == first
     assert any(name.startswith("Router.gating") for name in first)
-    assert any(name.startswith("SequentialMLP") for name in first)
 
 
 def test_gpt_oss_param_maps_name_every_megatron_parameter(world):
     """The mapping's megatron-core names are the MoE GPTModel's, plus the sinks our core attention will hold."""
-    from backend.model.hf.gpt_oss import gpt_oss_fields, gpt_oss_param_maps
-
-    cfg = transformers.GptOssConfig(
-        num_hidden_layers=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOPK,
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        head_dim=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,  # GPTModel's default: an output layer of its own
-    )
+    cfg = _hf_config(tie_word_embeddings=False)  # GPTModel's default: an output layer of its own
     names = {pm.megatron for pm in gpt_oss_param_maps(gpt_oss_fields(cfg.to_dict()))}
     ours = {n for n, _ in _moe_gpt().named_parameters()}
     assert names - ours == {f"decoder.layers.{i}.self_attention.core_attention.softmax_offset" for i in range(2)}
     assert ours <= names
+
+
+def test_bench_moe_experts_runs_both_arms():
+    """The experts benchmark runs end to end and reports both arms (timings are not asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_moe_experts.py"), "--tokens", "64", "--scale", "0.02"]
+        + ["--experts", "4", "--topk", "2", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["routed_tokens"] == 128 and result["grouped_mm_used"] is True
+    assert result["grouped_s"] > 0 and result["per_expert_loop_s"] > 0
+    assert "experts speedup grouped vs loop" in out.stdout

@@ -14,7 +14,6 @@ the embedding's row count: a model whose vocabulary was padded exports its padde
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -138,39 +137,6 @@ def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> 
     return cfg
 
 
-_EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
-
-
-def _gpt_oss_hf(named_tensors, fields: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """GPT-OSS: per-expert tensors are held until a layer's E experts are complete, then stacked."""
-    from .gpt_oss import gpt_oss_param_maps, stack_experts_to_hf
-
-    by_name = {pm.megatron: pm for pm in gpt_oss_param_maps(fields)}
-    n = fields["num_moe_experts"]
-    pending: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, tensor in named_tensors:
-        m = _EXPERT.fullmatch(name)
-        if m is None:
-            pm = by_name.get(name)
-            if pm is None:
-                raise KeyError(f"{name}: no Hugging Face counterpart for this megatron-core parameter")
-            yield from zip(pm.hf, pm.to_hf(tensor), strict=True)
-            continue
-        layer, expert, what = int(m.group(1)), int(m.group(2)), m.group(3)
-        slots = pending.setdefault(layer, {})
-        slots.setdefault(what, {})[expert] = tensor
-        if len(slots) == 4 and all(len(v) == n for v in slots.values()):
-            del pending[layer]
-            stacked = stack_experts_to_hf(
-                *(
-                    [slots[k][e] for e in range(n)]
-                    for k in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
-                )
-            )
-            for key, t in stacked.items():
-                yield f"model.layers.{layer}.mlp.experts.{key}", t
-
-
 def hf_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], fields: dict, *, dtype: str = "bf16"
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -194,10 +160,19 @@ def hf_tensors(
             seen.add(name)
             yield name, tensor
 
-    if fields["model_type"] == "gpt_oss":
-        pairs = _gpt_oss_hf(checked(), fields)
+    if fields["model_type"] == "gpt_oss":  # its own maps (stacked experts, sinks, biases)
+        by_name = {pm.megatron: pm for pm in hf_to_megatron_names(fields)}
+
+        def to_hf(name, tensor):
+            if name not in by_name:
+                raise KeyError(f"{name}: no Hugging Face counterpart for this megatron-core parameter")
+            return zip(by_name[name].hf, by_name[name].to_hf(tensor), strict=True)
     else:
-        pairs = ((h, t) for name, tensor in checked() for h, t in megatron_to_hf(name, tensor, fields))
+
+        def to_hf(name, tensor):
+            return megatron_to_hf(name, tensor, fields)
+
+    pairs = ((h, t) for name, tensor in checked() for h, t in to_hf(name, tensor))
     for hf_name, t in pairs:
         yield hf_name, t.detach().to("cpu", torch_dtype)
     missing = sorted(expected - seen)

@@ -1,0 +1,109 @@
+"""GPT-OSS experts as stacked weights run by one grouped GEMM per projection (``torch._grouped_mm``).
+
+megatron-core 0.16.1 offers three expert modules: ``SequentialMLP`` (one ``MLP`` per expert, run
+one after another: 2 GEMMs, a GLU and a bias add per expert, so 32 experts x 24 layers of
+GPT-OSS-20B are 768 small launches per forward), ``GroupedMLP`` (needs the CUDA-only
+``grouped_gemm`` package) and ``TEGroupedMLP`` (needs Transformer Engine). This module is a drop-in
+for the ``experts`` slot of megatron-core's ``MoELayer`` (same constructor and forward contract:
+tokens arrive permuted, grouped by expert, with ``tokens_per_expert`` and their routing
+probabilities) that runs on any device with torch alone: each projection is one
+``torch._grouped_mm`` over all experts (CPU and CUDA; on CUDA it is the grouped kernel for BF16 on
+compute capability >= 9.0, e.g. H100/H200), with a per-expert loop where the kernel does not
+apply (other GPUs, FP32 on CUDA, dimensions not multiples of 8 in 16-bit dtypes). Measured on CPU
+(FP32, 4 experts): ``tools/bench_train.py --moe`` prints the grouped and the sequential step time.
+
+Parameters are stacked per expert, in the layout the GEMM wants (in-major, ``x @ W``), which is
+Hugging Face GPT-OSS's own layout up to the gate/up interleave:
+
+- ``fc1_weight`` [E, hidden, 2I]: columns 0..I-1 the gate units, I..2I-1 the up units
+  (megatron-core's GLU order; HF interleaves them: ``hf.gpt_oss.deinterleave_gate_up``);
+- ``fc1_bias`` [E, 2I], same order; ``fc2_weight`` [E, I, hidden]; ``fc2_bias`` [E, hidden].
+
+The math is megatron-core ``MLP.forward`` for an expert with biases, unfused: ``h = x W1 + b1``;
+``g, u = chunk(h)``; clamp ``g <= L`` and ``-L <= u <= L``; ``a = act(g) * (u + offset)``;
+``a *= p`` (the token's routing probability); ``y = a W2 + b2 * p``. FSDP2 shards the stacks along
+the expert dimension.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from backend.megatron_compat import import_megatron_module
+
+
+def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs this [T, K] x [E, K, N] product (else: a per-expert loop).
+
+    CUDA: BF16 only, compute capability >= 9.0; strides must be 16-byte multiples (dims % 8 in
+    16-bit dtypes). CPU: any float dtype with the same alignment rule for 16-bit ones."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    k, n = w.shape[1], w.shape[2]
+    if x.dtype in (torch.bfloat16, torch.float16) and (k % 8 or n % 8):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets: torch.Tensor) -> torch.Tensor:
+    """[T, K] rows grouped by expert (``counts[e]`` rows for expert e, in order) times ``w[e]`` [K, N]."""
+    if grouped_mm_applies(x, w):
+        return torch._grouped_mm(x, w, offs=offsets)
+    pieces = [part @ w[e] for e, part in enumerate(torch.split(x, counts))]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[2])
+
+
+@functools.cache
+def grouped_experts_class() -> type:
+    """The experts module (a ``MegatronModule``, built once per process)."""
+    megatron_module = import_megatron_module("megatron.core.transformer.module").MegatronModule
+
+    class GroupedExperts(megatron_module):
+        def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+            super().__init__(config=config)
+            e, h, i = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size
+            dtype = config.params_dtype
+            self.num_local_experts = e
+            self.fc1_weight = torch.nn.Parameter(torch.empty(e, h, 2 * i, dtype=dtype))
+            self.fc1_bias = torch.nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype))
+            self.fc2_weight = torch.nn.Parameter(torch.empty(e, i, h, dtype=dtype))
+            self.fc2_bias = torch.nn.Parameter(torch.zeros(e, h, dtype=dtype))
+            with torch.no_grad():  # megatron-core's initialisers (normal std, scaled for the output)
+                for k in range(e):
+                    config.init_method(self.fc1_weight[k])
+                    config.output_layer_init_method(self.fc2_weight[k])
+
+        def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+            counts = [int(c) for c in tokens_per_expert.tolist()]
+            offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(tokens.device)
+            expert_of = torch.repeat_interleave(
+                torch.arange(len(counts), device=tokens.device), torch.tensor(counts, device=tokens.device)
+            )
+            dtype = tokens.dtype
+            h = grouped_linear(tokens, self.fc1_weight, counts, offsets) + self.fc1_bias[expert_of]
+            gate, up = torch.chunk(h, 2, dim=-1)
+            limit = self.config.activation_func_clamp_value
+            if limit is not None:
+                gate = gate.clamp(min=None, max=limit)
+                up = up.clamp(min=-limit, max=limit)
+            act = self.config.activation_func(gate) * (up + self.config.glu_linear_offset)
+            scale = probs.unsqueeze(-1)
+            act = (act * scale).to(dtype)
+            out = grouped_linear(act, self.fc2_weight, counts, offsets)
+            out = out + (self.fc2_bias[expert_of] * scale).to(dtype)
+            return out, None
+
+        def backward_dw(self):  # megatron-core's delayed weight-gradient hook: nothing is delayed here
+            return None
+
+    return GroupedExperts
+
+
+def experts_spec():
+    """The layer-spec entry placing ``GroupedExperts`` in megatron-core's MoE experts slot."""
+    spec_cls = import_megatron_module("megatron.core.transformer.spec_utils").ModuleSpec
+    return spec_cls(module=grouped_experts_class())
