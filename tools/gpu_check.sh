@@ -9,7 +9,8 @@
 #    440 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
 #    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports, GPT-OSS
 #    sinks + sliding windows + MoE on flex (FP32) and on TE's softmax_type="learnable" (BF16)), the
-#    FlexAttention compile count with and without shape buckets, tools/bench_train.py on the GPU
+#    FlexAttention compile count with and without shape buckets and the MoE experts' grouped GEMM
+#    against a per-expert loop (tools/bench_moe_experts.py), tools/bench_train.py on the GPU
 #    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
 #    (random weights, the short set).
@@ -96,15 +97,15 @@ step() {
 }
 
 step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
-step flex_compile 50 "$py" tools/flex_compile_count.py --steps 4
-step bench_gpu 130 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
-step bench_qwen3_4b 110 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
+step kernels 70 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py"
+step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
 
 files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {
   echo "gpu_check: exit $status, $SECONDS s; $(grep -m1 '^torch ' "$out/environment.txt")"
   cat "$results"
-  grep -hE "^device |^cost model|speedup vs mbs1|^flex compile" "$out"/*.log || echo "bench: no result lines"
+  grep -hE "^device |^cost model|speedup vs mbs1|^flex compile|^experts speedup" "$out"/*.log || echo "bench: no result lines"
   [ "$files" -lt 8 ] || echo "gpu_check: $((files + 1)) files in $out; the device returns only 8"
 } > "$out/summary.txt"
 sed -i '31,$d' "$out/summary.txt" # at most 30 lines (a head -n 30 pipe could kill the block with SIGPIPE)

@@ -187,8 +187,9 @@ def test_moe_mlp_matches_transformers_gpt_oss_mlp(world, monkeypatch, grouped):
 
 
 def test_grouped_gemm_and_per_expert_loop_agree_in_backward(world, monkeypatch):
-    """The two execution paths of ``GroupedExperts`` (one grouped GEMM per projection, or a loop
-    over experts) give the same gradients, including experts that receive no token."""
+    """The execution paths of ``GroupedExperts`` (one grouped GEMM per projection, the same with
+    every group padded to 8 rows as on CUDA, or a loop over experts) give the same outputs and
+    gradients, including experts that receive no token."""
     from backend.model import grouped_experts
 
     torch.manual_seed(3)
@@ -203,13 +204,15 @@ def test_grouped_gemm_and_per_expert_loop_agree_in_backward(world, monkeypatch):
         out, bias = experts(x, counts, probs)
         assert bias is None and out.shape == (11, HIDDEN)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        return [x.grad] + [p.grad for p in experts.parameters()]
+        return [out.detach(), x.grad] + [p.grad for p in experts.parameters()]
 
     fast = grads()
+    monkeypatch.setattr(grouped_experts, "group_alignment", lambda x, w: 8)  # CUDA's padded groups
+    padded = grads()
     monkeypatch.setattr(grouped_experts, "grouped_mm_applies", lambda x, w: False)
     slow = grads()
-    for a, b in zip(fast, slow, strict=True):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    for a, b, c in zip(fast, slow, padded, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5) and torch.allclose(a, c, atol=1e-6, rtol=1e-5)
     assert float(fast[-1][1].abs().sum()) == 0 and float(fast[-1][0].abs().sum()) > 0  # idle expert: no gradient
 
 
