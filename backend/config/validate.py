@@ -158,6 +158,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
     errors += _moe_attention_errors(m)
+    cp = cfg.parallel.context_parallel_size
+    packed = t.dynamic_batch_enable and t.dynamic_batch_layout == "packed"
+    if m.attention_backend == "te" and packed and cp > 1 and (m.attention_sinks or m.sliding_window):
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % cp or groups % cp:
+            errors.append(
+                f"parallel.context_parallel_size={cp}: with model.attention_backend=te, sinks/windows and packed rows, "
+                f"Transformer Engine exchanges heads (a2a), so model.num_attention_heads={m.num_attention_heads} and "
+                f"model.num_query_groups={groups} must divide by it (or use flex, or the padded layout)"
+            )
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"

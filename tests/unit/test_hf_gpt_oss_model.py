@@ -262,10 +262,23 @@ def _full(t):
         (["model.sliding_window=8", "model.window_attn_skip_freq=[1,0,1]"], "one per layer needed"),
         (["model.attention_bias=true"], "model.attention_bias: needs model.num_moe_experts"),
         (["model.moe_aux_loss_coeff=0.1"], "model.moe_aux_loss_coeff: needs"),
+        (
+            [
+                "model.attention_sinks=true",
+                "model.attention_backend=te",
+                "model.num_attention_heads=6",
+                "model.num_query_groups=3",
+                "model.hidden_size=96",
+                "train.dynamic_batch_enable=true",
+                "train.dynamic_batch_layout=packed",
+                "parallel.context_parallel_size=2",
+            ],
+            "Transformer Engine exchanges heads",
+        ),
     ],
 )
 def test_gpt_oss_keys_are_validated(overrides, match):
     from backend.config import ConfigError, load_config, validate
 
     with pytest.raises(ConfigError, match=match):
-        validate(load_config(None, overrides), 1)
+        validate(load_config(None, overrides), 2)
