@@ -8,7 +8,7 @@ for the ``experts`` slot of megatron-core's ``MoELayer`` (same constructor and f
 tokens arrive permuted, grouped by expert, with ``tokens_per_expert`` and their routing
 probabilities) that runs on any device with torch alone: each projection is one
 ``torch._grouped_mm`` over all experts (CPU and CUDA; on CUDA it is the grouped kernel for BF16 on
-compute capability >= 9.0, e.g. H100/H200), with a per-expert loop where the kernel does not
+compute capability 9.x, i.e. H100/H200), with a per-expert loop where the kernel does not
 apply (other GPUs, FP32 on CUDA, dimensions not multiples of 8 in 16-bit dtypes). On CUDA each
 expert's token group is padded with zero-probability rows to a multiple of 8 (the kernel's
 alignment). ``tools/bench_moe_experts.py`` times the grouped and the per-expert path side by side
@@ -39,16 +39,22 @@ from backend.megatron_compat import import_megatron_module
 def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs this [T, K] x [E, K, N] product (else: a per-expert loop).
 
-    CUDA: BF16 only, compute capability >= 9.0; strides must be 16-byte multiples (dims % 8 in
-    16-bit dtypes). CPU: any float dtype with the same alignment rule for 16-bit ones."""
-    if not hasattr(torch, "_grouped_mm"):
+    The kernel arrived for CUDA in torch 2.8 and for CPU in 2.9; both operands must share a dtype.
+    CUDA: BF16 on compute capability 9.x (Hopper, the kernel's tested target; other GPUs take the
+    loop) with strides 16-byte multiples (dims % 8 in 16-bit dtypes). CPU: FP32 or BF16, the
+    same alignment rule for BF16."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     k, n = w.shape[1], w.shape[2]
     if x.dtype in (torch.bfloat16, torch.float16) and (k % 8 or n % 8):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        return (
+            torch.__version__ >= "2.8"
+            and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] == 9
+        )
+    return x.device.type == "cpu" and torch.__version__ >= "2.9" and x.dtype in (torch.float32, torch.bfloat16)
 
 
 def group_alignment(x: torch.Tensor, w: torch.Tensor) -> int:
@@ -92,10 +98,11 @@ def grouped_experts_class() -> type:
             self.fc1_bias = torch.nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype))
             self.fc2_weight = torch.nn.Parameter(torch.empty(e, i, h, dtype=dtype))
             self.fc2_bias = torch.nn.Parameter(torch.zeros(e, h, dtype=dtype))
-            with torch.no_grad():  # megatron-core's initialisers (normal std, scaled for the output)
-                for k in range(e):
-                    config.init_method(self.fc1_weight[k])
-                    config.output_layer_init_method(self.fc2_weight[k])
+            if config.perform_initialization:  # megatron-core's initialisers (normal std, scaled output)
+                with torch.no_grad():
+                    for k in range(e):
+                        config.init_method(self.fc1_weight[k])
+                        config.output_layer_init_method(self.fc2_weight[k])
 
         def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
             counts = [int(c) for c in tokens_per_expert.tolist()]
@@ -111,8 +118,10 @@ def grouped_experts_class() -> type:
 
         def _experts(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
             offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(tokens.device)
-            expert_of = torch.repeat_interleave(
-                torch.arange(len(counts), device=tokens.device), torch.tensor(counts, device=tokens.device)
+            expert_of = torch.repeat_interleave(  # output_size given: no device sync on CUDA
+                torch.arange(len(counts), device=tokens.device),
+                torch.tensor(counts, device=tokens.device),
+                output_size=sum(counts),
             )
             dtype = tokens.dtype
             h = grouped_linear(tokens, self.fc1_weight, counts, offsets) + self.fc1_bias[expert_of]

@@ -27,7 +27,8 @@ positions up to the query's own", since each call's last real query meets its la
 ``softmax_type="learnable"`` reading the core attention's sinks (``te_lend_sinks``). What TE
 needs for them (read from its sources, 2.8 .. 2.18): sinks run on FusedAttention only (cuDNN
 >= 9.13.1, BF16/FP16; FP32 falls back to the unfused kernel, padded rows only), THD rows with sinks
-need TE >= 2.12 and cuDNN >= 9.18, and TE's CP takes windows and sinks only over ``a2a``.
+need TE >= 2.12 and cuDNN >= 9.18, and TE's CP takes windows and sinks only over ``a2a`` (TE >= 2.10 for THD;
+``te_packed_refusal`` stops a run that lacks them at the first packed call).
 
 The index arithmetic lives in small pure functions (``te_padded_cp_chunks``, ``gathered_to_global``,
 ``packed_real_key_index``), tested on CPU against the SDPA masks; the TE calls themselves are
@@ -293,18 +294,69 @@ def te_cp_comm_type(*, window: int, sinks: bool, num_heads: int, num_kv: int, cp
     return "a2a"
 
 
-def te_lend_sinks(module: torch.nn.Module, sinks: torch.Tensor) -> None:
+def te_packed_refusal(te_version: str, *, window: int, sinks: bool, cp_size: int, dtype: torch.dtype) -> str | None:
+    """Why this Transformer Engine cannot run GPT-OSS attention on packed (THD) rows, or None.
+
+    Read from TE's sources (2.8 .. 2.18): THD with sinks runs on FusedAttention from TE 2.12 only,
+    and only in BF16/FP16 (FP32 goes to the unfused kernel, which has no THD); TE's CP exchanges
+    THD rows with windows or sinks over ``a2a`` from TE 2.10. Checked at the first packed call, so
+    a run stops with the keys to change instead of inside TE."""
+    from packaging.version import Version
+
+    version = Version(te_version.split("+")[0])
+    fix = "use model.attention_backend=flex or train.dynamic_batch_layout=padded"
+    if sinks and version < Version("2.12"):
+        return (
+            f"model.attention_sinks on packed rows with te needs Transformer Engine >= 2.12 (have {te_version}); {fix}"
+        )
+    if sinks and dtype not in (torch.bfloat16, torch.float16):
+        return f"model.attention_sinks on packed rows with te runs in BF16/FP16 only (have {dtype}); {fix}"
+    if cp_size > 1 and (window or sinks) and version < Version("2.10"):
+        return (
+            f"sinks/windows on packed rows with te under context parallelism need Transformer Engine >= 2.10 "
+            f"(its a2a exchange for THD; have {te_version}); {fix}"
+        )
+    return None
+
+
+def te_lend_sinks(module: torch.nn.Module, sinks: torch.Tensor | None) -> None:
     """Make a TE ``DotProductAttention(softmax_type="learnable")`` read ``sinks`` as its offset.
 
     TE registers its own ``softmax_offset`` parameter (uninitialised before TE 2.14) and reads
     ``self.softmax_offset`` in forward (no forward argument). The sinks are ours: the core
     attention's ``softmax_offset`` (the checkpoint's and Hugging Face's ``sinks``). So TE's
-    parameter is dropped once, and before each call the tensor the core attention holds *now*
-    (FSDP2 swaps sharded and unsharded parameters between calls, so no reference is kept) is put
-    in the module's instance dict, where attribute lookup finds it before ``Module.__getattr__``.
+    parameter is dropped as soon as the module is built (``sinks=None``: before FSDP2, the
+    optimizer or a checkpoint can see it), and around each call the tensor the core attention
+    holds *now* (FSDP2 swaps sharded and unsharded parameters between calls, so no reference is
+    kept) is put in the module's instance dict, where attribute lookup finds it before
+    ``Module.__getattr__``.
     """
     module._parameters.pop("softmax_offset", None)
     module.__dict__["softmax_offset"] = sinks
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor`` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def te_cp_sinks(sinks: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """The sinks as TE's a2a CP exchange should see them.
+
+    Under a2a every CP rank attends over whole sequences for a slice of the heads, and TE
+    all-gathers the sinks' gradient over the CP group, so each rank ends up holding the complete
+    gradient (TE's own CP test compares it to the no-CP one). Every other parameter's gradient on a
+    CP rank is its chunk's share, summed over the CP ranks by the data-parallel reduction; summed
+    there, the sinks' would be ``cp_size`` times too large. Hence a gradient scaled by 1/cp."""
+    return sinks if cp_size == 1 else _ScaleGrad.apply(sinks, 1.0 / cp_size)
 
 
 def te_kernel_factory(
@@ -323,7 +375,10 @@ def te_kernel_factory(
     kwargs = te_attention_kwargs(num_kv, scale, window=window, sinks=sinks, accepted=accepted)
 
     def make():
-        return te.DotProductAttention(num_heads, head_dim, **kwargs)
+        module = te.DotProductAttention(num_heads, head_dim, **kwargs)
+        if sinks:  # TE's own offset goes before anything (FSDP2, checkpoints) can see it
+            te_lend_sinks(module, None)
+        return module
 
     modules = torch.nn.ModuleDict({"local": make(), "cp": make()})
     state = {"cp_group": None}
@@ -334,6 +389,10 @@ def te_kernel_factory(
     def packed(q, k, v, ctx):
         # THD: [t, h, d] local tokens; cu_seqlens are the global (pre-CP-cut) ones, TE divides.
         cp = _cp_size(ctx)
+        if window or sinks:
+            refusal = te_packed_refusal(te.__version__, window=window, sinks=sinks, cp_size=cp, dtype=q.dtype)
+            if refusal:
+                raise RuntimeError(refusal)
         attn = modules["local"]
         if cp > 1:
             import torch.distributed as dist
@@ -402,10 +461,15 @@ def te_kernel_factory(
         return torch.cat(outs, dim=1).transpose(1, 2)
 
     def kernel(q, k, v, ctx, _scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sinks is not None:
+        if sinks is None:
+            return packed(q, k, v, ctx) if ctx.is_packed else padded(q, k, v, ctx)
+        te_lend_sinks(modules["local"], sinks)
+        te_lend_sinks(modules["cp"], te_cp_sinks(sinks, _cp_size(ctx)))
+        try:
+            return packed(q, k, v, ctx) if ctx.is_packed else padded(q, k, v, ctx)
+        finally:  # TE's autograd saved what it needs; the modules keep no reference
             for module in modules.values():
-                te_lend_sinks(module, sinks)
-        return packed(q, k, v, ctx) if ctx.is_packed else padded(q, k, v, ctx)
+                te_lend_sinks(module, None)
 
     kernel.local_kv = True
     return modules, kernel

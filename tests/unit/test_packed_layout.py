@@ -127,21 +127,24 @@ def test_te_attention_arguments_for_sinks_and_windows():
         te_cp_comm_type(window=128, sinks=False, num_heads=6, num_kv=3, cp_size=4)
 
 
+class _ReadsOffset(torch.nn.Module):
+    """Like TE's DotProductAttention(softmax_type="learnable"): registers ``softmax_offset`` (left
+    uninitialised: NaN here) and reads ``self.softmax_offset`` in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("softmax_offset", torch.nn.Parameter(torch.full((3,), float("nan"))))
+
+    def forward(self, x):
+        return x * self.softmax_offset.reshape(1, -1)
+
+
 def test_te_lend_sinks_reads_the_current_tensor_and_keeps_one_parameter():
-    """A module that, like TE's DotProductAttention, registers ``softmax_offset`` and reads it as
-    ``self.softmax_offset``: after lending it reads the tensor lent last (the gradient reaches
-    it) and no longer owns a parameter of that name (the checkpoint holds the sinks once)."""
+    """After lending, the module reads the tensor lent last (the gradient reaches it) and no longer
+    owns a parameter of that name (the checkpoint holds the sinks once)."""
     from backend.model.packed_attention import te_lend_sinks
 
-    class ReadsOffset(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_parameter("softmax_offset", torch.nn.Parameter(torch.full((3,), float("nan"))))
-
-        def forward(self, x):
-            return x * self.softmax_offset.reshape(1, -1)
-
-    module = ReadsOffset()
+    module = _ReadsOffset()
     first = torch.nn.Parameter(torch.ones(3))
     te_lend_sinks(module, first)
     assert "softmax_offset" not in dict(module.named_parameters()) and "softmax_offset" not in module.state_dict()
@@ -149,3 +152,70 @@ def test_te_lend_sinks_reads_the_current_tensor_and_keeps_one_parameter():
     te_lend_sinks(module, second)  # FSDP2 swapped the parameter: the module must read the new one
     module(torch.ones(2, 3)).sum().backward()
     assert first.grad is None and second.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_te_sinks_under_fsdp2_are_one_parameter_of_the_core_attention(tmp_path):
+    """The TE kernel's wiring in a real FSDP2 model (one-process gloo world): TE's own offset is
+    dropped when the module is built, so FSDP2, the optimizer and the checkpoint see only the core
+    attention's ``softmax_offset``; each call lends the unsharded sinks and the gradient reaches
+    the sharded parameter."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from backend.model.packed_attention import te_lend_sinks
+
+    class Core(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.softmax_offset = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+            self.te = _ReadsOffset()
+            te_lend_sinks(self.te, None)  # what te_kernel_factory does at build
+
+        def forward(self, x):
+            te_lend_sinks(self.te, self.softmax_offset)
+            try:
+                return self.te(x)
+            finally:
+                te_lend_sinks(self.te, None)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        core = fully_shard(Core())
+        assert [n for n, _ in core.named_parameters()] == ["softmax_offset"]
+        assert list(core.state_dict()) == ["softmax_offset"]
+        out = core(torch.ones(2, 3))
+        assert out.tolist() == [[1.0, 2.0, 3.0]] * 2
+        out.sum().backward()
+        assert core.softmax_offset.grad.full_tensor().tolist() == [2.0, 2.0, 2.0]
+        assert core.te.__dict__["softmax_offset"] is None  # no reference kept between calls
+    finally:
+        dist.destroy_process_group()
+
+
+def test_te_cp_sinks_scale_the_gradient_not_the_value():
+    """TE's a2a CP exchange leaves every CP rank with the whole sinks gradient; the data-parallel
+    sum over CP ranks must then see 1/cp of it on each (cp 4: 0.25 per element here)."""
+    from backend.model.packed_attention import te_cp_sinks
+
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
+    assert te_cp_sinks(sinks, 1) is sinks
+    lent = te_cp_sinks(sinks, 4)
+    assert torch.equal(lent, sinks.detach())
+    lent.sum().backward()
+    assert sinks.grad.tolist() == [0.25, 0.25]
+
+
+def test_te_packed_refusal_names_the_version_dtype_and_the_way_out():
+    """TE versions and dtypes that cannot run sinks/windows on packed rows are refused with the
+    keys to change; the ones that can pass."""
+    from backend.model.packed_attention import te_packed_refusal
+
+    bf16 = torch.bfloat16
+    assert te_packed_refusal("2.12.0", window=128, sinks=True, cp_size=2, dtype=bf16) is None
+    assert te_packed_refusal("2.10.0", window=128, sinks=False, cp_size=2, dtype=bf16) is None
+    assert te_packed_refusal("2.8.0", window=128, sinks=False, cp_size=1, dtype=bf16) is None
+    old = te_packed_refusal("2.11.0+cu12", window=0, sinks=True, cp_size=1, dtype=bf16)
+    assert "2.12" in old and "2.11.0+cu12" in old and "train.dynamic_batch_layout=padded" in old
+    fp32 = te_packed_refusal("2.14.0", window=0, sinks=True, cp_size=1, dtype=torch.float32)
+    assert "BF16/FP16" in fp32 and "model.attention_backend=flex" in fp32
+    assert "2.10" in te_packed_refusal("2.9.0", window=128, sinks=False, cp_size=2, dtype=bf16)

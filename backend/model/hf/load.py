@@ -26,14 +26,12 @@ from .safetensors_io import HFCheckpoint
 
 
 class _ExpertReader:
-    """GPT-OSS stacked expert tensors, each read (and MXFP4-dequantised) once per layer: the E
-    experts of a layer all slice the same [E, ...] tensor, so the last ones read are kept until a
-    name from another layer is asked for."""
+    """GPT-OSS stacked expert tensors ([E, ...], one per projection and layer, each read once),
+    dense or as MXFP4 ``_blocks`` / ``_scales`` pairs dequantised to the model's dtype on read."""
 
     def __init__(self, ckpt: HFCheckpoint, dtype: torch.dtype):
         self.ckpt, self.dtype = ckpt, dtype
         self.names = set(ckpt.names())
-        self.cache: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def is_expert(name: str) -> bool:
@@ -45,11 +43,7 @@ class _ExpertReader:
         return [f"{name}_blocks", f"{name}_scales"]
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.cache:
-            layer = name.split(".mlp.experts.")[0]
-            self.cache = {k: v for k, v in self.cache.items() if k.startswith(layer + ".")}
-            self.cache[name] = read_expert_tensor(self.names, self.ckpt.get, name, self.dtype)
-        return self.cache[name]
+        return read_expert_tensor(self.names, self.ckpt.get, name, self.dtype)
 
 
 def _strip(name: str) -> str:

@@ -13,10 +13,10 @@ A code's value is sign * {0, 0.5, 1, 1.5, 2, 3, 4, 6}[code & 7] with the sign in
 row r concatenated: ``rows x (G * 32)``.
 
 The dense [E, rows, cols] is the *output-major* layout ([out_features, in_features] per expert,
-what ``nn.Linear`` and megatron-core's expert ``linear_fc1`` / ``linear_fc2`` store). Transformers'
-``GptOssExperts`` keeps the transpose, [E, in, out] (``gate_up_proj`` [E, hidden, 2I],
-``down_proj`` [E, I, hidden]): ``hf_expert_layout`` gives that. In both layouts GPT-OSS's
-``gate_up_proj`` interleaves gate and up along the 2I axis (gate at even, up at odd indices).
+as ``nn.Linear`` stores it). Transformers' ``GptOssExperts`` and our ``GroupedExperts`` keep the
+transpose, [E, in, out] (``gate_up_proj`` [E, hidden, 2I], ``down_proj`` [E, I, hidden]):
+``hf_expert_layout`` gives that. GPT-OSS's ``gate_up_proj`` interleaves gate and up along the 2I
+axis (gate at even, up at odd indices); ``hf.gpt_oss`` de-interleaves for ``GroupedExperts``.
 
 Values are exact: an FP4 value times a power of two is representable in FP32 and BF16 over the
 exponent range checkpoints use. The arithmetic repeats transformers'
