@@ -8,6 +8,8 @@ chat template) can be saved beside the weights, for chat data and ``data.tokeniz
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -207,3 +209,26 @@ def tiny_gpt_oss_model(out_dir, seed: int = 0):
             layer.mlp.router.weight.mul_(10.0)
     model.save_pretrained(out_dir)
     return model
+
+
+def write_mxfp4_copy(src: Path, dst: Path, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``src`` with its dense expert matrices replaced by random MXFP4 blocks/scales (+ quantization_config)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    assert len(files) == 1
+    state = load_file(files[0])
+    g = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, cols_out = state.pop(name).shape  # dense [E, in, out]
+        blocks = torch.randint(0, 256, (e, cols_out, rows_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(118, 124, (e, cols_out, rows_in // 32), generator=g, dtype=torch.uint8)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        pairs[name] = (blocks, scales)
+    save_file(state, files[0], metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return pairs

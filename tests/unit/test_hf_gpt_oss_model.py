@@ -10,7 +10,6 @@ on the meta device with exactly 20,914,757,184 parameters.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from tests.helpers.hf_tiny import (  # noqa: E402
     our_logits,
     right_padded_batch,
     tiny_gpt_oss_model,
+    write_mxfp4_copy,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,34 +80,11 @@ def test_flex_forward_equals_sdpa(world, gpt_oss):
     assert diff <= 1e-5
 
 
-def _write_mxfp4_copy(src: Path, dst: Path, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``src`` with its dense expert matrices replaced by random MXFP4 blocks/scales (+ quantization_config)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    files = sorted(dst.glob("*.safetensors"))
-    assert len(files) == 1
-    state = load_file(files[0])
-    g = torch.Generator().manual_seed(seed)
-    pairs = {}
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        e, rows_in, cols_out = state.pop(name).shape  # dense [E, in, out]
-        blocks = torch.randint(0, 256, (e, cols_out, rows_in // 32, 16), generator=g, dtype=torch.uint8)
-        scales = torch.randint(118, 124, (e, cols_out, rows_in // 32), generator=g, dtype=torch.uint8)
-        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
-        pairs[name] = (blocks, scales)
-    save_file(state, files[0], metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return pairs
-
-
 def test_mxfp4_experts_dequantise_bitwise_as_transformers(world, gpt_oss, tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     hf_dir, hf = gpt_oss
-    pairs = _write_mxfp4_copy(Path(hf_dir), tmp_path / "mxfp4")
+    pairs = write_mxfp4_copy(Path(hf_dir), tmp_path / "mxfp4")
     built = build_from_hf(tmp_path / "mxfp4", world)
     params = _params(built.model)
     dense = {name: convert_moe_packed_tensors(b, s, dtype=torch.float32) for name, (b, s) in pairs.items()}

@@ -7,7 +7,8 @@ src_data_rank=None)``: every rank reads the same file and keeps its own slice, w
 communication. A parameter copied from one HF tensor (embedding, output layer, o_proj, down_proj,
 norms) is read as just this rank's rows; only the fused ones (QKV, gate+up) are assembled in full,
 so the peak extra host memory is one fused layer parameter, not the 0.62 GB FP32 embedding of a
-0.5B Qwen3 (measured with tools/bench_hf_load.py).
+0.5B Qwen3 (measured with tools/bench_hf_load.py). GPT-OSS's stacked experts ([E, ...], FSDP2
+shards E) are read as this rank's experts only, MXFP4 pairs sliced before they are dequantised.
 
 Checks, before and after: every needed tensor exists (before anything is read), every shape
 matches the model's, and no tensor of the checkpoint is left unused (except the documented
@@ -42,8 +43,15 @@ class _ExpertReader:
             return [name]
         return [f"{name}_blocks", f"{name}_scales"]
 
-    def get(self, name: str) -> torch.Tensor:
-        return read_expert_tensor(self.names, self.ckpt.get, name, self.dtype)
+    def experts(self, name: str) -> int:
+        """E, from the stored header (the dense tensor's or its MXFP4 blocks')."""
+        return self.ckpt.shape(self.needed(name)[0])[0]
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The dense tensor, or only experts [start, stop) (an FSDP2 shard): the MXFP4 pair is
+        sliced before dequantising, so a rank holds 1/world of GPT-OSS-20B's 2.1 GB FP32 gate_up."""
+        read = self.ckpt.get if rows is None else (lambda n: self.ckpt.get_rows(n, *rows))
+        return read_expert_tensor(self.names, read, name, self.dtype)
 
 
 def _strip(name: str) -> str:
@@ -111,10 +119,14 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict) ->
         )
         for pm in maps:
             param = params[pm.megatron]
-            if experts.is_expert(pm.hf[0]):
-                full = pm.to_megatron([experts.get(pm.hf[0])])
-                _check_shape(pm, tuple(full.shape), param)
-                _fill(param, full.to(param.dtype))
+            if experts.is_expert(pm.hf[0]):  # stacked [E, ...]: per-expert maps, so a slice of E maps alike
+                rows = _local_rows(param)
+                part = pm.to_megatron([experts.get(pm.hf[0], rows)])
+                _check_shape(pm, (experts.experts(pm.hf[0]), *part.shape[1:]), param)
+                if rows is None:
+                    _fill(param, part.to(param.dtype))
+                else:
+                    param.to_local().copy_(part.to(param.dtype))
                 continue
             rows = _local_rows(param) if pm.is_copy else None
             if rows is not None:
