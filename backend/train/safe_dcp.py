@@ -231,6 +231,25 @@ def _user_error_inside(exc: CheckpointException) -> CheckpointError | None:
     return None
 
 
+def check_entries(state: dict, metadata: dcp_metadata.Metadata, path) -> None:
+    """Every entry ``state`` asks for is in the checkpoint, or a ``CheckpointError`` naming the path,
+    how many are missing and which names the checkpoint holds instead (DCP's own strict check
+    names one key, per rank, inside a multi-rank report). The names are DCP's flattened ones."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    wanted, _ = flatten_state_dict(state)
+    missing = sorted(k for k in wanted if k not in metadata.state_dict_metadata)
+    if not missing:
+        return
+    extra = sorted(k for k in metadata.state_dict_metadata if k not in wanted)
+    raise CheckpointError(
+        f"{path}: the checkpoint lacks {len(missing)} of the {len(wanted)} entries this run loads "
+        f"(e.g. {', '.join(missing[:3])})"
+        + (f"; it holds {len(extra)} this run does not (e.g. {', '.join(extra[:3])})" if extra else "")
+        + ": it was saved for another model or parameter layout than the configured one"
+    )
+
+
 def safe_load(state: dict, path: str | os.PathLike, *, planner: LoadPlanner | None = None, process_group=None) -> None:
     """``dcp.load(state, checkpoint_id=path)`` that never unpickles more than plain data; in place.
 
@@ -240,7 +259,9 @@ def safe_load(state: dict, path: str | os.PathLike, *, planner: LoadPlanner | No
     """
     reader = SafeFileSystemReader(path)
     if Path(reader._get_metadata_path()).is_file() or not any(Path(path).glob("__*.metadata")):
-        reader.read_metadata()  # raises CheckpointError naming the file; cached for dcp.load
+        metadata = reader.read_metadata()  # raises CheckpointError naming the file; cached for dcp.load
+        if planner is None or not getattr(planner, "allow_partial_load", False):
+            check_entries(state, metadata, path)
     try:
         dcp.load(
             state,

@@ -222,3 +222,21 @@ def test_bytes_from_a_default_planner_are_reserialised_plain_data(tmp_path):
     state = {"x": {"k": None}}
     safe_load(state, path, planner=Recording())
     assert state == {"x": {"k": (1, "s", 2.5)}} and seen
+
+
+def test_a_checkpoint_of_another_layout_names_the_path_and_the_entries(tmp_path):
+    """A model whose parameters are named differently from the saved ones (e.g. experts stacked
+    instead of one module per expert) is refused before anything is read, naming both sides."""
+    path, _ = save_plain(tmp_path)
+    other = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 5, bias=True))
+    state = {"model": other.state_dict()}
+    with pytest.raises(CheckpointError) as err:
+        safe_load(state, path)
+    msg = str(err.value)
+    assert str(path) in msg and "lacks 1 of the" in msg and "model.3.bias" in msg
+    state = {"model": {"renamed.weight": torch.zeros(11, 8)}, "extra": {"step": 0, "name": "", "lr": [0.0, 0]}}
+    with pytest.raises(
+        CheckpointError,
+        match=r"lacks 1 of the 4 .*model\.renamed\.weight.* holds \d+ this run does not \(e\.g\. model\.0\.weight",
+    ):
+        safe_load(state, path)
