@@ -35,9 +35,9 @@ adds the fc2 bias in place to a view autograd protects; ``track_moe_metrics(forc
 ``aux_loss`` + z-loss).
 
 Padding: megatron-core's ``padding_mask`` (``GPTModel.forward(..., padding_mask=...)``, [b, s]) is
-True at *padding* tokens (its docstrings say the opposite; the code inverts it). Padding tokens
-are still routed and computed; the mask only keeps them out of the aux / z losses and the
-expert-bias counts.
+True at *padding* tokens (its docstrings say the opposite; the code inverts it). It only keeps
+them out of the aux / z losses and the expert-bias counts: megatron-core still routes padding to
+experts, so ``moe_stats`` removes it from the routing map.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ A sample is a *group* of tokens: a row in the padded layout, a segment of the on
 packed layout (``segment_ids``), so padded, packed and fixed plans add the same terms.
 
 How: ``install(model, coeff)`` wraps each ``TopKRouter.gating`` (per instance) so the logits of
-every routed microbatch are seen once; ``routing_context`` (``builder.token_losses``) tells the
-wrapper which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
+every routed microbatch are seen once, and ``TopKRouter.routing`` so padding tokens are routed to
+no expert (a padded dynamic microbatch's padding costs no expert GEMM); ``routing_context``
+(``builder.token_losses``) tells the wrappers which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
 to each microbatch's loss and calls ``window_metrics`` at the end of the window:
 
 - ``moe_aux_loss``: the window's per-sample switch loss averaged over samples and layers
@@ -97,6 +98,19 @@ def _gating(router, original, stats: MoEStats, input: torch.Tensor):
     return logits
 
 
+def _routing(router, original, stats: MoEStats, logits: torch.Tensor, padding_mask=None):
+    """megatron-core's routing, then padding (and placeholder samples) sent to no expert: the
+    dispatcher gathers only routed tokens, so they cost no expert FLOPs and reach no expert's
+    gradient. Their MoE output is zero; nothing real reads it (causal attention never looks right
+    of a real token, and their losses are masked)."""
+    probs, routing_map = original(logits, padding_mask=padding_mask)
+    if stats.current is not None:
+        keep = stats.current[0][:, None]  # [s*b, 1], megatron-core's token order
+        routing_map = routing_map & keep
+        probs = probs * keep
+    return probs, routing_map
+
+
 def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
     """Attach router statistics (and the aux loss when ``coeff`` > 0) to a model with MoE layers."""
     from backend.megatron_compat import import_megatron_module
@@ -109,6 +123,7 @@ def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
     for i, r in enumerate(routers):
         stats._index[id(r)] = i
         r.gating = functools.partial(_gating, r, type(r).gating.__get__(r), stats)
+        r.routing = functools.partial(_routing, r, type(r).routing.__get__(r), stats)
     model._moe_stats = stats
     model._moe_routers = True
     return stats

@@ -146,18 +146,26 @@ def test_gpt_oss_20b_recipe_on_meta_device(world):
 
 
 def test_right_padding_changes_no_gradient_and_no_router_statistic(world, gpt_oss):
-    """Extra right padding (and a zero-weight placeholder row) leaves gradients and router counts unchanged."""
+    """Extra right padding (and a zero-weight placeholder row) leaves gradients and router counts
+    unchanged, and no padding token reaches an expert (the experts compute real tokens only)."""
     from backend.model import moe_stats
     from backend.model.builder import token_losses
+    from backend.model.grouped_experts import grouped_experts_class
 
     hf_dir, _ = gpt_oss
     built = build_from_hf(hf_dir, world, "model.moe_aux_loss_coeff=0.9", training=True)
     model = built.model
     tokens, valid = right_padded_batch(lengths=(12, 5, 9))
+    computed = []  # rows every experts module computed, per forward
+    experts = [m for m in model.modules() if isinstance(m, grouped_experts_class())]
+    assert len(experts) == 2
+    for m in experts:
+        m.register_forward_hook(lambda mod, args, out: computed.append(int(args[1].sum())))
 
     def run(tokens, valid, rows=None):
         model.zero_grad(set_to_none=True)
         moe_stats.begin_window(model)
+        computed.clear()
         positions = torch.arange(tokens.shape[1])[None].expand_as(tokens).contiguous()
         labels = torch.roll(tokens, -1, dims=1)
         weight = torch.nn.functional.pad(valid[:, 1:], (0, 1), value=False).float()  # a next token exists
@@ -168,6 +176,7 @@ def test_right_padding_changes_no_gradient_and_no_router_statistic(world, gpt_os
         ((losses * weight).sum() / 20 + aux / 3).backward()
         stats = moe_stats.stats_of(model)
         grads = torch.cat([_full(p.grad).reshape(-1) for p in model.parameters()])
+        assert computed == [2 * (12 + 5 + 9)] * 2  # top-k x real tokens, per layer: padding routes nowhere
         return grads, stats.counts.clone(), float(stats.aux_sum)
 
     g0, c0, a0 = run(tokens, valid)
