@@ -8,7 +8,9 @@ Order of checks, and why:
    ``checkpoint.allow_config_change=true`` accepts such changes (logged as warnings).
 3. Tensors load through the restricted DCP reader. A failure on any rank (a truncated ``.distcp``,
    a planted ``.metadata``) is agreed by all ranks (one all-reduce) and the previous complete
-   checkpoint is tried; with none left the run stops, naming every path it tried and why.
+   checkpoint is tried; with none left the run stops, naming every path it tried and why. A
+   readable checkpoint of another parallel or parameter layout (``ResumeError``,
+   ``CheckpointLayoutError``) stops the run instead: an older one would silently lose steps.
 4. Optimizer hyperparameters and the learning rate come from this run's config, not from the
    checkpoint: torch restores ``lr``, ``betas``, ``weight_decay`` and the scheduler's ``base_lrs``
    from the state dicts, which silently ignored an ``optimizer.lr`` change on resume.
@@ -27,6 +29,7 @@ from backend.errors import CheckpointError
 
 from .checkpoint import ResumeError, complete_checkpoints, load_checkpoint, read_meta
 from .resume_policy import diff_resume_config
+from .safe_dcp import CheckpointLayoutError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ def resume_latest(ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env) -> d
                     allow_dp_change=cfg.checkpoint.allow_dp_change,
                     meta=meta,
                 )
-            except ResumeError:
+            except (ResumeError, CheckpointLayoutError):
                 raise  # readable but not for this layout: the user decides, no silent fallback
             except (CheckpointError, CheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

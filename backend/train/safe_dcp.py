@@ -71,6 +71,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that would need more than DCP's own classes to load."""
 
 
+class CheckpointLayoutError(CheckpointError):
+    """A readable checkpoint whose entries are not the ones this run loads (another model or
+    parameter layout): resuming stops here rather than falling back to an older checkpoint."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, path: str):
         super().__init__(file)
@@ -242,7 +247,7 @@ def check_entries(state: dict, metadata: dcp_metadata.Metadata, path) -> None:
     if not missing:
         return
     extra = sorted(k for k in metadata.state_dict_metadata if k not in wanted)
-    raise CheckpointError(
+    raise CheckpointLayoutError(
         f"{path}: the checkpoint lacks {len(missing)} of the {len(wanted)} entries this run loads "
         f"(e.g. {', '.join(missing[:3])})"
         + (f"; it holds {len(extra)} this run does not (e.g. {', '.join(extra[:3])})" if extra else "")
