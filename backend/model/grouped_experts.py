@@ -50,11 +50,20 @@ def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return (
-            torch.__version__ >= "2.8"
+            _torch_release() >= (2, 8)
             and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] == 9
         )
-    return x.device.type == "cpu" and torch.__version__ >= "2.9" and x.dtype in (torch.float32, torch.bfloat16)
+    return x.device.type == "cpu" and _torch_release() >= (2, 9) and x.dtype in (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _torch_release() -> tuple[int, ...]:
+    """torch's release numbers: a container's "2.8.0a0+...nv25.06" is (2, 8, 0) (as a string it
+    compares below "2.8")."""
+    from packaging.version import Version
+
+    return Version(torch.__version__).release
 
 
 def group_alignment(x: torch.Tensor, w: torch.Tensor) -> int:
@@ -118,7 +127,7 @@ def grouped_experts_class() -> type:
 
         def _experts(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
             offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(tokens.device)
-            expert_of = torch.repeat_interleave(  # output_size given: no device sync on CUDA
+            expert_of = torch.repeat_interleave(  # output_size given: the length is not read back
                 torch.arange(len(counts), device=tokens.device),
                 torch.tensor(counts, device=tokens.device),
                 output_size=sum(counts),

@@ -119,6 +119,12 @@ def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
     routers = [m for m in model.modules() if isinstance(m, router_cls)]
     if not routers:
         return None
+    dispatcher = routers[0].config.moe_token_dispatcher_type
+    if dispatcher != "allgather":  # the others size their buffers as tokens x top-k: no room for unrouted padding
+        raise RuntimeError(
+            f"moe_stats routes padding to no expert, which needs megatron-core's allgather token dispatcher "
+            f"(got {dispatcher!r})"
+        )
     stats = MoEStats(routers, float(coeff), routers[0].topk, routers[0].config.num_moe_experts)
     for i, r in enumerate(routers):
         stats._index[id(r)] = i

@@ -265,7 +265,9 @@ def safe_load(state: dict, path: str | os.PathLike, *, planner: LoadPlanner | No
     reader = SafeFileSystemReader(path)
     if Path(reader._get_metadata_path()).is_file() or not any(Path(path).glob("__*.metadata")):
         metadata = reader.read_metadata()  # raises CheckpointError naming the file; cached for dcp.load
-        if planner is None or not getattr(planner, "allow_partial_load", False):
+        if planner is None or (
+            not getattr(planner, "allow_partial_load", False) and getattr(planner, "flatten_state_dict", True)
+        ):
             check_entries(state, metadata, path)
     try:
         dcp.load(

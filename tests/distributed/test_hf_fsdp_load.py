@@ -3,7 +3,7 @@
 The model is built on the meta device, sharded, given empty shards and filled: each rank reads
 the same safetensors file and keeps its own dim-0 shard of every parameter
 (``distribute_tensor(..., src_data_rank=None)``, no communication); the sharded model's forward
-must then give transformers' logits. GPT-OSS too: each rank reads only its experts (2 of 4),
+must then give transformers' logits. GPT-OSS too (3 ranks): each rank reads only its experts (2, 2, 0 of 4),
 dense or from MXFP4 pairs sliced before dequantisation (compared with transformers' own
 dequantisation of the whole tensor).
 """
@@ -20,14 +20,14 @@ pytestmark = pytest.mark.distributed
 KINDS = ("qwen3", "qwen2")  # tied embeddings + QK norm; QKV bias + YaRN
 
 
-def load_sharded(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid: torch.Tensor):
+def load_sharded(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid: torch.Tensor, *extra: str):
     from backend.distributed.setup import init_distributed
     from tests.helpers.hf_tiny import build_from_hf, our_logits
 
     env = init_distributed(1)
     out = {}
     for kind, hf_dir in dirs.items():
-        model = build_from_hf(hf_dir, env).model
+        model = build_from_hf(hf_dir, env, *extra).model
         params = dict(model.named_parameters())
         emb = params["embedding.word_embeddings.weight"]
         out[kind] = {
@@ -66,13 +66,14 @@ def test_fsdp_sharded_gpt_oss_reads_its_experts_dense_and_mxfp4(tmp_path):
     pairs = write_mxfp4_copy(tmp_path / "dense", tmp_path / "mxfp4")
     tokens, valid = right_padded_batch()
     dirs = {"gpt_oss": str(tmp_path / "dense"), "gpt_oss_mxfp4": str(tmp_path / "mxfp4")}
-    results = run_ranks(load_sharded, 2, tmp_path, dirs, tokens, valid)
+    results = run_ranks(load_sharded, 3, tmp_path, dirs, tokens, valid, "train.global_batch_size=30")
     ref = hf_logits(hf, tokens, valid)
-    for r in results:
+    for rank, r in enumerate(results):
         dense, mx = r["gpt_oss"], r["gpt_oss_mxfp4"]
-        assert set(dense["local_experts"].values()) == {2}  # 4 experts over 2 ranks
+        # 4 experts over 3 ranks: FSDP2 shards of ceil(4/3) = 2, 2 and 0 experts (an empty shard reads nothing)
+        assert set(dense["local_experts"].values()) == set(mx["local_experts"].values()) == {(2, 2, 0)[rank]}
         diff = float((dense["logits"] - ref)[valid].abs().max())
-        print(f"gpt_oss FSDP x2: max |logit diff| = {diff:.3g}")
+        print(f"gpt_oss FSDP x3: max |logit diff| = {diff:.3g}")
         assert diff <= 1e-4
         for layer, hf_layer in enumerate(hf.model.layers):
             pre = f"decoder.layers.{layer}.mlp.experts."

@@ -61,3 +61,10 @@ def test_refusals_and_names():
         "model.layers.3.mlp.experts.down_proj_scales",
         "model.layers.3.mlp.experts.down_proj",
     )
+
+
+def test_an_empty_expert_shard_dequantises_to_an_empty_tensor():
+    """An FSDP2 rank can hold no experts (32 experts over 24 ranks: shards of 2, the last ones 0)."""
+    blocks = torch.zeros(0, 6, 3, 16, dtype=torch.uint8)
+    scales = torch.zeros(0, 6, 3, dtype=torch.uint8)
+    assert dequantize_mxfp4(blocks, scales, torch.float32).shape == (0, 6, 96)

@@ -251,3 +251,19 @@ def test_bench_moe_experts_runs_both_arms():
     assert result["routed_tokens"] == 128 and result["grouped_mm_used"] is True
     assert result["grouped_s"] > 0 and result["per_expert_loop_s"] > 0
     assert "experts speedup grouped vs loop" in out.stdout
+
+
+def test_grouped_kernel_gate_reads_container_torch_versions(monkeypatch):
+    """A container's pre-release torch ("2.9.0a0+...nv25.06" compares below "2.9" as a string)
+    still counts as 2.9: the grouped kernel is not silently replaced by the per-expert loop."""
+    from backend.model import grouped_experts
+
+    x, w = torch.zeros(4, 8), torch.zeros(2, 8, 8)
+    try:
+        for version, applies in (("2.9.0a0+5228986c39.nv25.06", True), ("2.8.1", False)):
+            monkeypatch.setattr(torch, "__version__", version)
+            grouped_experts._torch_release.cache_clear()
+            assert grouped_experts.grouped_mm_applies(x, w) is applies, version
+    finally:
+        monkeypatch.undo()
+        grouped_experts._torch_release.cache_clear()

@@ -72,7 +72,7 @@ def dequantize_mxfp4(
         dense[..., 1] = table[(packed >> 4).long()]  # high nibble: the odd element
         exponent = flat_exp[start:stop].to(torch.int32) - E8M0_BIAS
         torch.ldexp(out[start:stop], exponent, out=out[start:stop])
-    return out.reshape(*lead, -1)
+    return out.reshape(*lead, blocks.shape[-2] * BLOCK)  # explicit width: an empty shard (0 experts) too
 
 
 def hf_expert_layout(dense: torch.Tensor) -> torch.Tensor:
