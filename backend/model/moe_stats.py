@@ -19,10 +19,10 @@ placeholder microbatch never enter counts or probabilities, so right padding cha
 A sample is a *group* of tokens: a row in the padded layout, a segment of the one row in the
 packed layout (``segment_ids``), so padded, packed and fixed plans add the same terms.
 
-How: ``install(model, coeff)`` wraps each ``TopKRouter.gating`` (per instance) so the logits of
-every routed microbatch are seen once, and ``TopKRouter.routing`` so padding tokens are routed to
-no expert (a padded dynamic microbatch's padding costs no expert GEMM); ``routing_context``
-(``builder.token_losses``) tells the wrappers which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
+How: ``install(model, coeff)`` wraps each ``TopKRouter.routing`` (per instance): the logits and
+the router's top-k choice of every routed microbatch are seen once, and padding tokens are then
+routed to no expert (a padded dynamic microbatch's padding costs no expert GEMM);
+``routing_context`` (``builder.token_losses``) tells the wrapper which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
 to each microbatch's loss and calls ``window_metrics`` at the end of the window:
 
 - ``moe_aux_loss``: the window's per-sample switch loss averaged over samples and layers
@@ -61,13 +61,12 @@ class MoEStats:
         self.mb_aux = None
 
 
-def _layer_stats(stats: MoEStats, router, logits: torch.Tensor) -> None:
+def _layer_stats(stats: MoEStats, router, logits: torch.Tensor, routing_map: torch.Tensor) -> None:
     valid, group, groups, cp_group = stats.current
     e = logits.shape[-1]
     with torch.set_grad_enabled(torch.is_grad_enabled() and stats.coeff > 0):
         scores = torch.softmax(logits.float().reshape(-1, e), dim=-1)  # [tokens, E], token order s-major
-        top = torch.topk(scores.detach(), k=stats.topk, dim=-1).indices
-        routed = torch.zeros_like(scores, dtype=torch.float32).scatter_(-1, top, 1.0)
+        routed = routing_map.to(torch.float32)  # the router's own top-k choice (before padding is dropped)
         m = valid[:, None].to(torch.float32)
         per_group = scores.new_zeros(groups, e, dtype=torch.float32)
         local_counts = per_group.index_add(0, group, routed * m)  # [G, E]
@@ -91,13 +90,6 @@ def _layer_stats(stats: MoEStats, router, logits: torch.Tensor) -> None:
         stats.mb_aux = term if stats.mb_aux is None else stats.mb_aux + term
 
 
-def _gating(router, original, stats: MoEStats, input: torch.Tensor):
-    logits = original(input)
-    if stats.current is not None and router.training:
-        _layer_stats(stats, router, logits)
-    return logits
-
-
 def _routing(router, original, stats: MoEStats, logits: torch.Tensor, padding_mask=None):
     """megatron-core's routing, then padding (and placeholder samples) sent to no expert: the
     dispatcher gathers only routed tokens, so they cost no expert FLOPs and reach no expert's
@@ -105,6 +97,8 @@ def _routing(router, original, stats: MoEStats, logits: torch.Tensor, padding_ma
     of a real token, and their losses are masked)."""
     probs, routing_map = original(logits, padding_mask=padding_mask)
     if stats.current is not None:
+        if router.training:
+            _layer_stats(stats, router, logits, routing_map)
         keep = stats.current[0][:, None]  # [s*b, 1], megatron-core's token order
         routing_map = routing_map & keep
         probs = probs * keep
@@ -128,7 +122,6 @@ def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
     stats = MoEStats(routers, float(coeff), routers[0].topk, routers[0].config.num_moe_experts)
     for i, r in enumerate(routers):
         stats._index[id(r)] = i
-        r.gating = functools.partial(_gating, r, type(r).gating.__get__(r), stats)
         r.routing = functools.partial(_routing, r, type(r).routing.__get__(r), stats)
     model._moe_stats = stats
     model._moe_routers = True
