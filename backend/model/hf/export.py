@@ -22,7 +22,7 @@ import torch
 
 from backend.config.hf import SUPPORTED_MODEL_TYPES
 
-from .mapping import hf_to_megatron_names, megatron_to_hf
+from .mapping import hf_to_megatron_names
 from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, write_sharded
 
 ARCHITECTURES = {
@@ -146,7 +146,8 @@ def hf_tensors(
     error after the stream ends (naming it), so a partial export never looks complete.
     """
     torch_dtype = _dtype(dtype)
-    expected = {pm.megatron for pm in hf_to_megatron_names(fields)}
+    by_name = {pm.megatron: pm for pm in hf_to_megatron_names(fields)}  # every family, GPT-OSS included
+    expected = set(by_name)
     seen: set[str] = set()
 
     def checked():
@@ -160,17 +161,10 @@ def hf_tensors(
             seen.add(name)
             yield name, tensor
 
-    if fields["model_type"] == "gpt_oss":  # its own maps (stacked experts, sinks, biases)
-        by_name = {pm.megatron: pm for pm in hf_to_megatron_names(fields)}
-
-        def to_hf(name, tensor):
-            if name not in by_name:
-                raise KeyError(f"{name}: no Hugging Face counterpart for this megatron-core parameter")
-            return zip(by_name[name].hf, by_name[name].to_hf(tensor), strict=True)
-    else:
-
-        def to_hf(name, tensor):
-            return megatron_to_hf(name, tensor, fields)
+    def to_hf(name, tensor):
+        if name not in by_name:
+            raise KeyError(f"{name}: no Hugging Face counterpart for this megatron-core parameter")
+        return zip(by_name[name].hf, by_name[name].to_hf(tensor), strict=True)
 
     pairs = ((h, t) for name, tensor in checked() for h, t in to_hf(name, tensor))
     for hf_name, t in pairs:
