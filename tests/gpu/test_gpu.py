@@ -118,10 +118,18 @@ def oss_backend_vs_sdpa(rank: int, world: int, backend: str, precision: str):
                 for s in sinks:
                     local = s.to_local() if hasattr(s, "to_local") else s
                     local.copy_(torch.randn(local.shape, generator=g).to(local.device, local.dtype))
-            per_token = microbatch_token_losses(model, batch)
+            try:
+                per_token = microbatch_token_losses(model, batch)
+            except RuntimeError as e:  # te_packed_refusal: this TE cannot run sinks on packed rows
+                if "Transformer Engine >=" not in str(e):
+                    raise
+                out[layout] = {"refused": str(e)}
+                break
             ((per_token * batch.loss_weight).sum() / batch.loss_mask.sum()).backward()
             losses[name] = per_token.detach()[batch.valid].float().cpu()
             grads[name] = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()]).cpu()
+        if layout in out:  # refused
+            continue
         diff = (losses["sdpa"] - losses[backend]).abs()
         g0, g1 = grads["sdpa"], grads[backend]
         out[layout] = {
@@ -136,7 +144,7 @@ def oss_backend_vs_sdpa(rank: int, world: int, backend: str, precision: str):
 def test_gpt_oss_sinks_and_windows_match_sdpa(tmp_path, backend):
     """flex: FP32, forward and backward (the sinks' gradient through flex's log-sum-exp). te: BF16,
     ``softmax_type="learnable"`` + ``window_size`` on FusedAttention; packed (THD) rows with sinks
-    need TE >= 2.12 (and cuDNN >= 9.18): on an older TE the padded half alone is checked."""
+    need TE >= 2.12 (and cuDNN >= 9.18): an older TE must refuse them with the version to install."""
     precision = "fp32"
     te_thd_sinks = True
     if backend == "te":
@@ -157,8 +165,9 @@ def test_gpt_oss_sinks_and_windows_match_sdpa(tmp_path, backend):
     r = run_ranks(oss_backend_vs_sdpa, 1, tmp_path, backend, precision, backend="nccl", timeout=600)[0]
     print(backend, precision, r)
     tol = {"fp32": (1e-3, 0.9999), "bf16": (2e-2, 0.99)}[precision]
-    for layout in ("padded", "packed") if te_thd_sinks else ("padded",):
-        res = r[layout]
+    if not te_thd_sinks:
+        assert "2.12" in r.pop("packed")["refused"]
+    for layout, res in r.items():
         assert res["loss_mean_diff"] <= tol[0] and res["grad_cos"] >= tol[1], (layout, res)
 
 
