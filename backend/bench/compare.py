@@ -62,8 +62,12 @@ def worker(argv: list[str]) -> int:
             before = _full_flat(params)
             data, data_time = trainer.next_data()
             start = time.perf_counter()
-            loss = forward_backward(trainer.model, data, env)
+            window = forward_backward(trainer.model, data, env, loss_cfg=trainer.cfg.loss)
+            loss = window["loss"]
             grad_time = time.perf_counter() - start
+            for key, value in window.items():  # the policy loss's metrics (pg_loss, clipfrac, ...)
+                if key != "loss":
+                    record.setdefault(key, []).append(value)
             for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids)).items():
                 record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
             record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
@@ -77,7 +81,7 @@ def worker(argv: list[str]) -> int:
                 step=trainer.step,
             )
             step_time = grad_time + time.perf_counter() - start  # the recording is not timed
-            metrics = trainer.log_step(data, {"loss": loss, **update, "step_time_s": step_time}, data_time)
+            metrics = trainer.log_step(data, {**window, **update, "step_time_s": step_time}, data_time)
             record["update"].append(_full_flat(params) - before)
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
                 record[key].append(metrics[key])
@@ -120,15 +124,30 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
+# Window metrics of the policy loss compared arm against arm (worst step, relative to scale).
+POLICY_METRICS = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl", "ratio_min", "ratio_max")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), 1e-12) if a != b else 0.0
+
+
 def compare(ref: dict, other: dict) -> dict:
-    """Agreement of ``other`` with ``ref`` (worst step) and their time and memory."""
+    """Agreement of ``other`` with ``ref`` (worst step) and their time and memory; for the policy
+    loss also ``metric_rel_diff`` (each metric's worst relative difference)."""
     steps = len(ref["loss"])
     warm = slice(1, None) if steps > 1 else slice(None)
+    metrics = {
+        key: max(_rel(a, b) for a, b in zip(ref[key], other[key]))
+        for key in POLICY_METRICS
+        if key in ref and key in other
+    }
     return {
+        **({"metric_rel_diff": metrics} if metrics else {}),
         "steps": steps,
         "loss_ref": ref["loss"],
         "loss_other": other["loss"],
-        "loss_rel_diff": max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], other["loss"])),
+        "loss_rel_diff": max(_rel(a, b) for a, b in zip(ref["loss"], other["loss"])),
         "grad_cosine": min(_cos(a, b) for a, b in zip(ref["grad"], other["grad"])),
         "update_cosine": min(_cos(a, b) for a, b in zip(ref["update"], other["update"])),
         "rel_update_diff": max(float((a - b).norm() / a.norm()) for a, b in zip(ref["update"], other["update"])),

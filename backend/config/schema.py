@@ -285,6 +285,52 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+LOSS_TYPES = ("cross_entropy", "policy")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_NORMALIZATIONS = ("token", "sequence")
+OLD_LOGPROB_SOURCES = ("data", "recompute", "detach")
+
+
+@dataclass
+class LossConfig:
+    """The training objective (``backend/train/policy_loss.py`` has the formulas).
+
+    cross_entropy: sum(loss_weight x token cross-entropy) / the window's loss tokens, as always.
+    policy: the PPO/GRPO clipped objective per loss token t, with r = exp(clamp(lp - old)):
+    loss_weight x (max(-A r, -A clip(r, 1 - low, 1 + high)) [dual clip] + kl_coef KL - entropy_coef H),
+    normalised over the whole optimizer window (never per microbatch), so no plan changes it.
+    """
+
+    # cross_entropy (default) or policy (rows carry advantages; see the README's RL section).
+    type: str = "cross_entropy"
+    # PPO ratio clip: r is clipped to [1 - ratio_clip_low, 1 + ratio_clip_high] (DAPO's clip-higher: high > low).
+    ratio_clip_low: float = 0.2
+    ratio_clip_high: float = 0.2
+    # Dual clip (Ye et al. 2020) for negative advantages: pg <= -dual_clip * A; 0 = off, else > 1 (3.0 typical).
+    dual_clip: float = 0.0
+    # |lp - old| (and |ref - lp| inside k3's exp) is clamped to this before exp: exp(20) = 4.9e8 stays finite.
+    logratio_clamp: float = 20.0
+    # Weight of the KL penalty to the reference policy; 0 = no reference needed.
+    kl_coef: float = 0.0
+    # k1 = lp - ref, k2 = (lp - ref)^2 / 2, k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's estimators).
+    kl_estimator: str = "k3"
+    # Weight of the entropy bonus (full-vocabulary entropy of the policy at each loss token).
+    entropy_coef: float = 0.0
+    # token: divide by the window's loss tokens (all ranks, all microbatches); sequence: each
+    # sequence's mean over its loss tokens, then the mean over the window's sequences that have any.
+    normalization: str = "token"
+    # data: rows carry old_logprobs; recompute: a forward-only pass with the current weights before
+    # the first update of each rollout batch; detach: on-policy, r = exp(lp - lp.detach()) = 1.
+    old_logprobs: str = "data"
+    # A Hugging Face directory or one of our checkpoints (a step_* directory or a checkpoint
+    # directory, newest complete one): a frozen FSDP2 reference model run forward-only under the
+    # same plans. Empty: rows carry ref_logprobs (needed only when kl_coef > 0).
+    reference_checkpoint: str = ""
+    # Optimizer steps (windows) per rollout batch: recompute computes the old log-probabilities of
+    # all of them once, before the first; checkpoint.interval must then be a multiple of it.
+    minibatches_per_rollout: int = 1
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -295,3 +341,4 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)

@@ -12,6 +12,10 @@ from .schema import (
     BATCH_LAYOUTS,
     DECAY_STYLES,
     DP_WRAPPERS,
+    KL_ESTIMATORS,
+    LOSS_NORMALIZATIONS,
+    LOSS_TYPES,
+    OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     PRECISIONS,
     ROPE_TYPES,
@@ -32,6 +36,10 @@ _CHOICES = {
     "scheduler.type": SCHEDULE_TYPES,
     "scheduler.decay_style": DECAY_STYLES,
     "model.rope_scaling.rope_type": ROPE_TYPES,
+    "loss.type": LOSS_TYPES,
+    "loss.kl_estimator": KL_ESTIMATORS,
+    "loss.normalization": LOSS_NORMALIZATIONS,
+    "loss.old_logprobs": OLD_LOGPROB_SOURCES,
 }
 # Keys each scaled RoPE type reads without a default (as transformers indexes them).
 _ROPE_REQUIRED = {
@@ -52,6 +60,7 @@ _POSITIVE = (
     "train.dynamic_batch_pad_to_multiple",
     "train.train_iters",
     "logger.log_interval",
+    "loss.minibatches_per_rollout",
 )
 _NON_NEGATIVE = (
     "model.ffn_hidden_size",
@@ -74,6 +83,10 @@ _NON_NEGATIVE = (
     "checkpoint.keep_last",
     "optimizer.weight_decay",
     "optimizer.clip_grad",
+    "loss.kl_coef",
+    "loss.entropy_coef",
+    "loss.ratio_clip_low",
+    "loss.ratio_clip_high",
 )
 
 
@@ -135,6 +148,60 @@ def _moe_attention_errors(m) -> list[str]:
     return errors
 
 
+def _loss_errors(cfg: Config) -> list[str]:
+    """loss.*: clip ranges, the dual clip, and what the policy loss needs from data and checkpoints."""
+    loss, errors = cfg.loss, []
+    for key in ("loss.ratio_clip_low", "loss.ratio_clip_high", "loss.dual_clip", "loss.logratio_clamp"):
+        if not math.isfinite(get(cfg, key)):
+            errors.append(f"{key}={get(cfg, key)}: must be a finite number")
+    if errors:
+        return errors
+    if loss.ratio_clip_low >= 1:
+        errors.append(f"loss.ratio_clip_low={loss.ratio_clip_low}: must be in [0, 1) (the ratio's floor is 1 - it)")
+    if loss.dual_clip != 0 and loss.dual_clip <= 1:
+        errors.append(f"loss.dual_clip={loss.dual_clip}: must be 0 (off) or > 1")
+    if loss.logratio_clamp <= 0:
+        errors.append(f"loss.logratio_clamp={loss.logratio_clamp}: must be > 0")
+    if loss.type == "cross_entropy":
+        changed = [
+            f"loss.{name}"
+            for name in ("kl_coef", "entropy_coef", "reference_checkpoint")
+            if getattr(loss, name) != getattr(type(loss)(), name)
+        ]
+        if loss.minibatches_per_rollout != 1:
+            changed.append("loss.minibatches_per_rollout")
+        if changed:
+            errors.append(f"{', '.join(changed)}: only read with loss.type=policy (loss.type=cross_entropy)")
+        return errors
+    if loss.reference_checkpoint and not loss.kl_coef:
+        errors.append(
+            f"loss.reference_checkpoint={loss.reference_checkpoint!r}: only used for the KL penalty; set "
+            f"loss.kl_coef > 0 (or leave it empty: a second model costs memory and a forward pass per microbatch)"
+        )
+    if loss.minibatches_per_rollout > 1 and loss.old_logprobs != "recompute":
+        errors.append(
+            f"loss.minibatches_per_rollout={loss.minibatches_per_rollout}: only read with loss.old_logprobs=recompute "
+            f"(with data the rows carry them; with detach every step is on-policy)"
+        )
+    if loss.old_logprobs == "recompute" and cfg.checkpoint.interval % loss.minibatches_per_rollout:
+        errors.append(
+            f"checkpoint.interval={cfg.checkpoint.interval}: must be a multiple of loss.minibatches_per_rollout="
+            f"{loss.minibatches_per_rollout} (a checkpoint inside a rollout batch could not recompute its old "
+            f"log-probabilities on resume)"
+        )
+    if cfg.data.path == "embedded":
+        errors.append(
+            "data.path=embedded: loss.type=policy trains on rollouts whose rows carry advantages (and old/ref "
+            "log-probabilities); point data.path at such a JSONL file or .bin/.idx prefix (README: RL)"
+        )
+    if cfg.data.append_eod:
+        errors.append(
+            "data.append_eod: with loss.type=policy rows carry per-token log-probabilities and advantages, and an "
+            "appended end-of-document id has none; end the rows with it yourself (set data.append_eod=false)"
+        )
+    return errors
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Check the whole config for a world of ``world_size`` processes; raise one ConfigError."""
     errors: list[str] = []
@@ -158,6 +225,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
     errors += _moe_attention_errors(m)
+    errors += _loss_errors(cfg)
     cp = cfg.parallel.context_parallel_size
     packed = t.dynamic_batch_enable and t.dynamic_batch_layout == "packed"
     if m.attention_backend == "te" and packed and cp > 1 and (m.attention_sinks or m.sliding_window):

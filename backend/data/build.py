@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,17 @@ from .errors import DataError, DataFileError, DataNotFoundError
 from .indexed import IndexedTokenDataset, indexed_exists, token_dtype
 from .jsonl import InMemoryDataset, read_jsonl
 from .overlong import LengthLimitedDataset
+from .row_fields import RowFields
 from .tokenizers import build_tokenizer
 
+CROSS_ENTROPY = RowFields()
 
-def build_dataset(data_cfg) -> tuple[LengthLimitedDataset, object]:
+
+def build_dataset(data_cfg, fields: RowFields = CROSS_ENTROPY) -> tuple[LengthLimitedDataset, object]:
     """(dataset, tokenizer). The dataset never yields a sample over data.max_seq_length.
+
+    ``fields`` (``row_fields.row_fields(cfg.loss)``): the policy-gradient fields the run reads,
+    requires or refuses; by default a cross-entropy run's (rows carrying them are refused).
 
     With data.append_eod the tokenizer has an end-of-document id (byte: 256, vocabulary 257) and
     JSONL samples end with it; a .bin/.idx data set must already end every sample with it
@@ -38,12 +45,17 @@ def build_dataset(data_cfg) -> tuple[LengthLimitedDataset, object]:
         if not Path(path).is_file():
             raise DataNotFoundError(f"data.path: no such file {path}")
         chat = LazyChatRenderer(chat_template_dir(data_cfg.tokenizer))
-        samples = list(read_jsonl(path, tokenizer, data_cfg.json_key, chat=chat, append_eod=append_eod))
+        ignored: Counter = Counter()
+        samples = list(
+            read_jsonl(
+                path, tokenizer, data_cfg.json_key, chat=chat, append_eod=append_eod, fields=fields, ignored=ignored
+            )
+        )
         if not samples:
             raise DataFileError(f"{path}: no samples (the file is empty or blank); point data.path at a data file")
-        base = InMemoryDataset(samples, source=path)
+        base = InMemoryDataset(samples, source=path, ignored_fields=ignored)
     elif indexed_exists(path):
-        base = IndexedTokenDataset(path)
+        base = IndexedTokenDataset(path, fields)
         check_indexed_vocabulary(base, tokenizer, data_cfg.tokenizer)
     else:
         raise DataNotFoundError(

@@ -9,6 +9,11 @@ to a multiple of 2*cp (the row's tail padding joins the last), positions restart
 sequence, no label across a sequence boundary. Under CP every SEQUENCE is cut into 2*cp chunks
 and rank i keeps chunks i and 2cp-1-i of each (Transformer Engine's THD layout). The tensors
 carry the segment facts attention needs: per-token sequence ids and cu_seqlens (real and padded).
+
+Per-token policy fields (advantages, old/ref log-probabilities) are shifted like the labels (the
+value at position t belongs to the target token t+1) and cut exactly like ``loss_weight``; so is
+``sequence_targets``, the loss-token count of the sequence a position belongs to, which the
+policy loss's per-sequence normalisation reads (the whole sequence's count, even under CP).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 from backend.batching import Microbatch, cp_ranges, segment_lengths
 
-from .sample import Sample
+from .sample import POLICY_FIELDS, Sample
 
 
 @dataclass
@@ -36,6 +41,12 @@ class MicrobatchTensors:
     seq_lengths: torch.Tensor  # int64 [rows] real lengths before padding
     sample_ids: torch.Tensor  # int64 [rows] dataset indices
     padded_len: int  # row length before the CP cut
+    # Policy-gradient fields, float32 like loss_weight (None when no sample carries them; NaN may
+    # stand where the loss mask is 0), and each position's sequence's loss-token count.
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    sequence_targets: torch.Tensor | None = None
     # Packed layout only (None when padded): per-token sequence index [1, s_local], and the
     # cumulative real and per-sequence padded lengths of the whole row [n + 1] (int32).
     segment_ids: torch.Tensor | None = None
@@ -98,6 +109,7 @@ def collate(
     loss_weight = np.zeros((rows, length), dtype=np.float32)
     valid = np.zeros((rows, length), dtype=bool)
     seq_lengths = np.zeros(rows, dtype=np.int64)
+    extra = _extra_arrays(samples, (rows, length))
     for r, s in enumerate(samples):
         n = len(s.tokens)
         if n > length:
@@ -110,6 +122,7 @@ def collate(
         weight = np.ones(n - 1, dtype=np.float32) if s.loss_weight is None else s.loss_weight[1:]
         loss_weight[r, : n - 1] = target * weight
         valid[r, :n] = True
+        _fill_extra(extra, s, (r, slice(0, n - 1)))
     position_ids = np.tile(np.arange(length, dtype=np.int64), (rows, 1))
 
     def cut(a: np.ndarray) -> torch.Tensor:
@@ -125,7 +138,23 @@ def collate(
         seq_lengths=torch.from_numpy(seq_lengths),
         sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
         padded_len=length,
+        **{name: cut(a) for name, a in extra.items()},
     )
+
+
+def _extra_arrays(samples: list[Sample], shape) -> dict[str, np.ndarray]:
+    """Zeroed float32 arrays for ``sequence_targets`` and each policy field some sample carries."""
+    names = ["sequence_targets", *(f for f in POLICY_FIELDS if any(getattr(s, f) is not None for s in samples))]
+    return {name: np.zeros(shape, dtype=np.float32) for name in names}
+
+
+def _fill_extra(extra: dict[str, np.ndarray], s: Sample, where) -> None:
+    """Write sample ``s``'s target-aligned values (entries 1..n-1) into ``extra[...][where]``."""
+    for name, arr in extra.items():
+        if name == "sequence_targets":
+            arr[where] = s.loss_tokens()
+        elif getattr(s, name) is not None:
+            arr[where] = getattr(s, name)[1:]
 
 
 def packed_cp_index(segments: list[int], cp_rank: int, cp_size: int) -> np.ndarray:
@@ -157,6 +186,7 @@ def collate_packed(
     valid = np.zeros(length, dtype=bool)
     positions = np.zeros(length, dtype=np.int64)
     seq_ids = np.zeros(length, dtype=np.int64)
+    extra = _extra_arrays(samples, (length,))
     offset = 0
     for i, (s, n, seg) in enumerate(zip(samples, lengths, segments)):
         tokens[offset : offset + n] = s.tokens
@@ -166,6 +196,7 @@ def collate_packed(
         weight = np.ones(n - 1, dtype=np.float32) if s.loss_weight is None else s.loss_weight[1:]
         loss_weight[offset : offset + n - 1] = target * weight
         valid[offset : offset + n] = True
+        _fill_extra(extra, s, slice(offset, offset + n - 1))
         positions[offset : offset + seg] = np.arange(seg)
         seq_ids[offset : offset + seg] = i
         offset += seg
@@ -187,4 +218,5 @@ def collate_packed(
         segment_ids=cut(seq_ids),
         cu_seqlens=torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32),
         cu_seqlens_padded=torch.tensor(np.cumsum([0, *segments]), dtype=torch.int32),
+        **{name: cut(a) for name, a in extra.items()},
     )

@@ -1,8 +1,10 @@
 """Megatron ``.bin/.idx`` datasets, read and written with megatron-core's ``indexed_dataset``.
 
-Tokens live at PREFIX.bin/.idx. Optional per-token loss masks and loss weights live beside
-them at PREFIX_loss_mask.bin/.idx (uint8) and PREFIX_loss_weight.bin/.idx (float32), one
-document per sample, so the index of each still gives every length without reading data.
+Tokens live at PREFIX.bin/.idx. Optional per-token arrays live beside them, one document per
+sample, so the index of each still gives every length without reading data:
+PREFIX_loss_mask (uint8), PREFIX_loss_weight (float32), and the policy-gradient fields
+PREFIX_advantages, PREFIX_old_logprobs, PREFIX_ref_logprobs (float32; NaN where a sample had none,
+which is refused when read at a loss token).
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataFileError, DataNotFoundError
-from .sample import Sample
+from .row_fields import PASS_THROUGH, RowFields, check_finite_where_used
+from .sample import POLICY_FIELDS, Sample
 
 MASK_SUFFIX = "_loss_mask"
 WEIGHT_SUFFIX = "_loss_weight"
+# Every per-token sidecar: field -> (file suffix, dtype, the value a sample without it gets).
+SIDECARS = {
+    "loss_mask": (MASK_SUFFIX, np.uint8, 1),
+    "loss_weight": (WEIGHT_SUFFIX, np.float32, 1.0),
+    **{name: (f"_{name}", np.float32, np.nan) for name in POLICY_FIELDS},
+}
 
 # megatron-core's .idx layout (indexed_dataset._IndexWriter): magic, version <Q, dtype code <B,
 # sequence count <Q, document count <Q (34 bytes), then sequence lengths int32[n], byte pointers
@@ -53,25 +62,18 @@ def write_indexed(prefix: str | Path, samples: Iterable[Sample], vocab_size: int
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{prefix}.tmp{os.getpid()}"
     samples = list(samples)
-    has_mask = any(s.loss_mask is not None for s in samples)
-    has_weight = any(s.loss_weight is not None for s in samples)
     outputs = [("", token_dtype(vocab_size), lambda s: s.tokens)]
-    if has_mask:
-        outputs.append(
-            (
-                MASK_SUFFIX,
-                np.uint8,
-                lambda s: s.loss_mask if s.loss_mask is not None else np.ones(len(s.tokens), np.uint8),
+    for name, (suffix, dtype, fill) in SIDECARS.items():
+        if any(getattr(s, name) is not None for s in samples):
+            outputs.append(
+                (
+                    suffix,
+                    dtype,
+                    lambda s, name=name, dtype=dtype, fill=fill: (
+                        v if (v := getattr(s, name)) is not None else np.full(len(s.tokens), fill, dtype)
+                    ),
+                )
             )
-        )
-    if has_weight:
-        outputs.append(
-            (
-                WEIGHT_SUFFIX,
-                np.float32,
-                lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens), np.float32),
-            )
-        )
     for suffix, dtype, field in outputs:
         builder = ids.IndexedDatasetBuilder(f"{tmp}{suffix}.bin", dtype=dtype)
         for s in samples:
@@ -133,31 +135,47 @@ def check_indexed_files(prefix: str | Path) -> int:
 
 
 class IndexedTokenDataset:
-    """Samples from PREFIX.bin/.idx, memory-mapped; lengths come from the index alone."""
+    """Samples from PREFIX.bin/.idx, memory-mapped; lengths come from the index alone.
 
-    def __init__(self, prefix: str | Path):
+    ``fields`` says which policy-field sidecars are read, required or refused (default: read
+    whatever is there). Their values are checked when a sample is read: non-finite at a loss
+    token stops the run naming the file, the sample and the field.
+    """
+
+    def __init__(self, prefix: str | Path, fields: RowFields = PASS_THROUGH):
         ids = _indexed_dataset()
         self.prefix = str(prefix)
         self.source = f"{self.prefix}.bin/.idx"
         if not indexed_exists(self.prefix):
             raise DataNotFoundError(f"data.path: no {self.prefix}.bin and {self.prefix}.idx")
-        for suffix in ("", MASK_SUFFIX, WEIGHT_SUFFIX):
-            if suffix == "" or indexed_exists(self.prefix + suffix):
-                check_indexed_files(self.prefix + suffix)
+        present = [name for name, (suffix, _, _) in SIDECARS.items() if indexed_exists(self.prefix + suffix)]
+        for name in fields.refuse:
+            if name in present:
+                raise DataFileError(
+                    f"{self.prefix}_{name}.bin/.idx: '{name}' is a policy-gradient field, but {fields.why} would "
+                    f"ignore it: set loss.type=policy (README: RL) or point data.path at a prefix without it"
+                )
+        for name in fields.required:
+            if name not in present:
+                raise DataFileError(
+                    f"{self.source}: no {self.prefix}_{name}.bin/.idx, but {fields.why} needs '{name}' per token "
+                    f"(write it with tools/preprocess_data.py from rows that carry it)"
+                )
+        wanted = [name for name in present if name in ("loss_mask", "loss_weight") or name in fields.read]
+        check_indexed_files(self.prefix)
+        for name in wanted:
+            check_indexed_files(self.prefix + SIDECARS[name][0])
         self._tokens = ids.IndexedDataset(self.prefix)
         self.lengths = np.asarray(self._tokens.sequence_lengths, dtype=np.int64)
-        self._mask = (
-            ids.IndexedDataset(self.prefix + MASK_SUFFIX) if indexed_exists(self.prefix + MASK_SUFFIX) else None
-        )
-        self._weight = (
-            ids.IndexedDataset(self.prefix + WEIGHT_SUFFIX) if indexed_exists(self.prefix + WEIGHT_SUFFIX) else None
-        )
-        for name, extra in (("loss mask", self._mask), ("loss weight", self._weight)):
-            if extra is not None and not np.array_equal(np.asarray(extra.sequence_lengths), self.lengths):
+        self._extra = {name: ids.IndexedDataset(self.prefix + SIDECARS[name][0]) for name in wanted}
+        for name, extra in self._extra.items():
+            if not np.array_equal(np.asarray(extra.sequence_lengths), self.lengths):
                 raise DataFileError(
                     f"{self.source}: the {name} files do not match the token lengths sample for sample; {_REBUILD}"
                 )
-        self.has_loss_weight = self._weight is not None
+        self.ignored_fields = {name: len(self.lengths) for name in present if name not in wanted}
+        self._mask = self._extra.get("loss_mask")
+        self.has_loss_weight = "loss_weight" in self._extra
         if self._mask is None:
             self.loss_token_counts = np.maximum(self.lengths - 1, 0)
         else:
@@ -182,8 +200,12 @@ class IndexedTokenDataset:
 
     def __getitem__(self, index: int) -> Sample:
         index = int(index)
-        return Sample(
-            tokens=np.asarray(self._tokens.get(index), dtype=np.int64),
-            loss_mask=None if self._mask is None else np.asarray(self._mask.get(index)),
-            loss_weight=None if self._weight is None else np.asarray(self._weight.get(index), dtype=np.float32),
-        )
+        arrays = {name: np.asarray(extra.get(index)) for name, extra in self._extra.items()}
+        mask = arrays.get("loss_mask")
+        for name in POLICY_FIELDS:
+            if name in arrays:
+                arrays[name] = arrays[name].astype(np.float32)
+                check_finite_where_used(name, arrays[name], mask, f"{self.prefix}_{name}.bin sample {index}")
+        if "loss_weight" in arrays:
+            arrays["loss_weight"] = arrays["loss_weight"].astype(np.float32)
+        return Sample(tokens=np.asarray(self._tokens.get(index), dtype=np.int64), **arrays)

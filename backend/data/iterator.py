@@ -65,6 +65,8 @@ class StepData:
     plan: StepPlan
     microbatches: list[MicrobatchTensors]  # this rank's, in execution order, CP-cut
     global_loss_tokens: int  # prediction targets in the whole window: the loss normaliser
+    # Samples of the window with any target: the policy loss's per-sequence normaliser.
+    global_loss_sequences: int = 0
 
     @property
     def num_microbatches(self) -> int:
@@ -103,6 +105,7 @@ class DataIterator:
                 self.dataset, window_ids, plan, dp_rank=self.dp_rank, cp_rank=self.cp_rank, cp_size=self.cp_size
             ),
             global_loss_tokens=int(self.dataset.loss_token_counts[window_ids].sum()),
+            global_loss_sequences=int(np.count_nonzero(self.dataset.loss_token_counts[window_ids])),
         )
 
     def state_dict(self) -> dict:

@@ -3,6 +3,11 @@
     {"text": "..."}                                  tokenised with data.tokenizer
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "loss_weight": [0.0, 0.5, 0.5]}
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    {"input_ids": [...], "loss_mask": [...], "advantages": 0.7, "old_logprobs": [null, -0.3, ...]}
+
+The policy-gradient fields (``advantages``, ``old_logprobs``, ``ref_logprobs``; ``row_fields``)
+are read, required or refused as the caller's ``RowFields`` says (a cross-entropy run refuses
+them); any other field is counted in ``ignored`` and trained on by nothing.
 
 ``messages`` rows are rendered with the tokenizer directory's chat template (``chat.py``), the
 loss on assistant turns only; the renderer is passed in by the caller (it needs transformers).
@@ -18,12 +23,14 @@ so a row whose tail is masked out keeps its EOD masked out too.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from .errors import DataFormatError
+from .row_fields import PASS_THROUGH, RowFields, check_row_keys, parse_field
 from .sample import Sample
 
 __all__ = ["DataFormatError", "InMemoryDataset", "read_jsonl"]
@@ -43,23 +50,20 @@ def _int_list(value, what: str, where: str, limit: int | None = None, hint: str 
     return arr
 
 
-def _append_eod(sample: Sample, eod_id: int) -> Sample:
-    """``sample`` with ``eod_id`` after its last token; mask and weight repeat the last token's."""
-
-    def extend(arr, value):
-        return np.append(arr, np.asarray([value], dtype=arr.dtype))
-
-    return Sample(
-        tokens=extend(sample.tokens, eod_id),
-        loss_mask=None if sample.loss_mask is None else extend(sample.loss_mask, sample.loss_mask[-1]),
-        loss_weight=None if sample.loss_weight is None else extend(sample.loss_weight, sample.loss_weight[-1]),
-    )
-
-
 def read_jsonl(
-    path: str | Path, tokenizer, json_key: str = "text", chat=None, *, append_eod: bool = False
+    path: str | Path,
+    tokenizer,
+    json_key: str = "text",
+    chat=None,
+    *,
+    append_eod: bool = False,
+    fields: RowFields = PASS_THROUGH,
+    ignored: Counter | None = None,
 ) -> Iterator[Sample]:
     """Yield one Sample per non-blank line of ``path``.
+
+    ``fields``: which policy fields to read, require or refuse (default: read whatever is there,
+    for tools that pass rows through). ``ignored``: counts the rows of each field nothing reads.
 
     ``chat``: a ``chat.ChatRenderer`` (or ``chat.LazyChatRenderer``) for ``messages`` rows; None
     refuses them, naming the line and what to set. ``append_eod``: each sample ends in the
@@ -91,6 +95,7 @@ def read_jsonl(
                 raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            check_row_keys(row, fields, where, json_key, ignored)
             if "messages" in row:
                 if chat is None:
                     raise DataFormatError(
@@ -131,16 +136,20 @@ def read_jsonl(
                     weight = np.full(len(w), np.inf, dtype=np.float32)
                 if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
                     raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
-            sample = Sample(tokens=tokens, loss_mask=mask, loss_weight=weight)
-            yield _append_eod(sample, eod_id) if append_eod else sample
+            policy = {
+                name: parse_field(name, row[name], len(tokens), mask, where) for name in fields.read if name in row
+            }
+            sample = Sample(tokens=tokens, loss_mask=mask, loss_weight=weight, **policy)
+            yield sample.appended(eod_id) if append_eod else sample
 
 
 class InMemoryDataset:
     """Samples held in memory (JSONL sources, tests)."""
 
-    def __init__(self, samples: list[Sample], source: str):
+    def __init__(self, samples: list[Sample], source: str, ignored_fields: dict[str, int] | None = None):
         self.samples = samples
         self.source = source
+        self.ignored_fields = dict(ignored_fields or {})  # row field -> rows carrying it, read by nothing
         self.lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
         self.loss_token_counts = np.array([s.loss_tokens() for s in samples], dtype=np.int64)
         self.has_loss_weight = any(s.loss_weight is not None for s in samples)

@@ -39,6 +39,7 @@ class LengthLimitedDataset:
         self.base = base
         self.source = base.source
         self.has_loss_weight = getattr(base, "has_loss_weight", False)
+        self.ignored_fields = getattr(base, "ignored_fields", {})
         self.max_seq_length = max_seq_length
         lengths = np.asarray(base.lengths, dtype=np.int64)
         if len(lengths) == 0:
@@ -76,14 +77,7 @@ class LengthLimitedDataset:
             raise OverlongError(f"{base.source}: every sample is over data.max_seq_length={max_seq_length}")
 
     def _cut(self, s: Sample) -> Sample:
-        n = self.max_seq_length
-        if len(s.tokens) <= n:
-            return s
-        return Sample(
-            tokens=s.tokens[:n],
-            loss_mask=None if s.loss_mask is None else s.loss_mask[:n],
-            loss_weight=None if s.loss_weight is None else s.loss_weight[:n],
-        )
+        return s.truncated(self.max_seq_length)
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -25,6 +25,7 @@ class SubsetDataset:
         self.lengths = np.asarray(base.lengths)[self.ids]
         self.loss_token_counts = np.asarray(base.loss_token_counts)[self.ids]
         self.has_loss_weight = getattr(base, "has_loss_weight", False)
+        self.ignored_fields = getattr(base, "ignored_fields", {})
         self.report = getattr(base, "report", None)
 
     def __len__(self) -> int:
@@ -51,7 +52,8 @@ def split_off_validation(dataset, fraction: float, seed: int) -> tuple[SubsetDat
 
 
 def build_train_and_valid(data_cfg, seed: int, *, build):
-    """(train, valid or None, tokenizer) with ``build(data_cfg) -> (dataset, tokenizer)``."""
+    """(train, valid or None, tokenizer) with ``build(data_cfg) -> (dataset, tokenizer)`` (the
+    caller binds the row fields its loss reads, ``functools.partial(build_dataset, fields=...)``)."""
     train, tokenizer = build(data_cfg)
     if data_cfg.valid_path:
         valid, _ = build(dataclasses.replace(data_cfg, path=data_cfg.valid_path))

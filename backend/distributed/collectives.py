@@ -23,6 +23,12 @@ def dist_max(value: float, device: torch.device, group=None) -> float:
     return float(t.item())
 
 
+def dist_max_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over the group, in place (a minimum is the max of -x)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def dist_any(flag: bool, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on any rank (one tiny all-reduce)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)

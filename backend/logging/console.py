@@ -50,6 +50,8 @@ def format_step_stats(metrics: dict) -> str:
         ("lr", _num(metrics.get("lr"), ".2e")),
     ]
     out = [f"{name} {value}" for name, value in parts if value is not None]
+    if metrics.get("clipfrac") is not None:  # the policy loss: how much of the window was clipped
+        out.append(f"clipfrac {metrics['clipfrac']:.3f}")
     if metrics.get("tokens_per_s") is not None:
         out.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     if metrics.get("num_microbatches") is not None:
@@ -264,7 +266,8 @@ def format_startup_summary(info: dict) -> str:
     ``data_source``, ``lengths`` (a ``length_stats`` dict or a list of lengths),
     ``max_seq_length``, ``global_batch_size``, ``train_iters``, ``start_step`` (resumed from),
     ``batching`` (a dict: ``dynamic`` bool, ``max_tokens_per_gpu``, ``micro_batch_size``),
-    ``schedule`` (text), ``run_dir``, ``validation`` (text).
+    ``schedule`` (text), ``run_dir``, ``validation`` (text), ``loss`` (text), ``ignored_fields``
+    (text: row fields nothing reads).
     """
     rows: list[tuple[str, str]] = []
     model = info.get("model")
@@ -295,6 +298,8 @@ def format_startup_summary(info: dict) -> str:
     if info.get("max_seq_length"):
         data += f" (max_seq_length {info['max_seq_length']})"
     rows.append(("data", data))
+    if info.get("ignored_fields"):
+        rows.append(("ignored", f"row fields nothing reads: {info['ignored_fields']}"))
     if info.get("validation"):
         rows.append(("validation", info["validation"]))
     batching = info.get("batching") or {}
@@ -314,6 +319,7 @@ def format_startup_summary(info: dict) -> str:
         if info.get("start_step"):
             steps += f" (resuming after step {info['start_step']})"
     rows.append(("steps", steps))
+    rows.append(("loss", info.get("loss")))
     rows.append(("schedule", info.get("schedule")))
     rows.append(("run dir", info.get("run_dir")))
     return _block("run", rows)

@@ -183,6 +183,18 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
     return model
 
 
+def _forward(model, tokens, labels, positions, valid, *, cp_group, route_rows, segments):
+    """The model on one microbatch: per-position cross-entropy [b, s] with ``labels``, else logits [b, s, V]."""
+    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group, **(segments or {}))
+    if getattr(model, "_moe_routers", None):
+        from .moe_stats import routing_context
+
+        groups = segments["segment_ids"] if segments else None
+        with routing_context(model, valid, cp_group=cp_group, rows=route_rows, groups=groups):
+            return model(tokens, positions, ctx, labels=labels, padding_mask=~valid)
+    return model(tokens, positions, ctx, labels=labels)
+
+
 def token_losses(
     model, tokens, labels, positions, valid, *, cp_group=None, route_rows=None, segments: dict | None = None
 ) -> torch.Tensor:
@@ -195,11 +207,38 @@ def token_losses(
     for the attention context, so attention stays within each packed sequence, and the router
     statistics are per packed sequence (a sample), as they are per row when padded.
     """
-    ctx = AttentionContext(positions=positions, valid=valid, cp_group=cp_group, **(segments or {}))
-    if getattr(model, "_moe_routers", None):
-        from .moe_stats import routing_context
+    return _forward(
+        model, tokens, labels, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
+    ).float()
 
-        groups = segments["segment_ids"] if segments else None
-        with routing_context(model, valid, cp_group=cp_group, rows=route_rows, groups=groups):
-            return model(tokens, positions, ctx, labels=labels, padding_mask=~valid).float()
-    return model(tokens, positions, ctx, labels=labels).float()
+
+def token_logprobs(
+    model,
+    tokens,
+    labels,
+    positions,
+    valid,
+    *,
+    entropy: str = "",
+    cp_group=None,
+    route_rows=None,
+    segments: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(label), full-vocabulary entropy or None), each [b, s] in FP32, from the logits.
+    ``entropy``: "" (not computed), "value" (no gradient: a metric; autograd keeps no softmax
+    for it) or "grad" (differentiable: an entropy bonus in the loss).
+
+    The policy loss needs both, and the entropy needs every logit, so this path asks the model for
+    logits (megatron-core's labels path returns only the cross-entropy). lp = logit[label] -
+    logsumexp(logits) is the same number as -cross-entropy to FP32 rounding; H = logsumexp -
+    sum(softmax * logits). Memory: one FP32 copy of the logits (and its softmax when H is wanted).
+    """
+    logits = _forward(
+        model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
+    ).float()
+    norm = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - norm
+    if not entropy:
+        return lp, None
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        return lp, norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)

@@ -18,7 +18,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from backend.errors import CheckpointError
 
@@ -41,6 +46,25 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / META).is_file()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A checkpoint given as a step_* directory, or as a checkpoint directory (its newest complete one)."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: neither a complete checkpoint (no .metadata) nor a directory holding one")
+    return found[-1]
+
+
+def load_model_weights(model, step_dir: str | Path) -> None:
+    """Only the model's weights from one of our checkpoints, pickle-free (``safe_load``); the
+    optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
+    state = {"model": get_model_state_dict(model)}
+    safe_load(state, step_dir)
+    set_model_state_dict(model, state["model"])
 
 
 def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int) -> Path:

@@ -1,9 +1,14 @@
 """Forward-only passes: per-token log-probabilities of many samples under a token budget.
 
-Used for reference/old-policy log-probs in RL and for evaluation. Samples are planned with the
-forward budget (``train.forward_max_tokens_per_gpu``), right-padded (or packed, as the planner
-says), run, cropped back to each
-sample's length and returned in the caller's order on every rank.
+Two forms, one computation (``step.microbatch_logprobs``: logit[label] - logsumexp):
+
+- ``compute_logprobs``: a list of samples, planned with the forward budget
+  (``train.forward_max_tokens_per_gpu``), right-padded (or packed, as the planner says), run,
+  cropped back to each sample's length and returned in the caller's order on every rank (the
+  offline tool, ``tools/compute_logprobs.py``).
+- ``fill_logprobs``: the training plan's own microbatches, in place (the policy loss's
+  recomputed old log-probabilities and the reference model's): the values land exactly where the
+  loss reads them, under the same plan, layout and CP cut, with nothing gathered.
 """
 
 from __future__ import annotations
@@ -14,9 +19,8 @@ import torch
 from backend.data.collate import collate, cp_unshard, packed_cp_unshard
 from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
-from backend.model.builder import token_losses
 
-from .step import microbatch_token_losses, placeholder_microbatch
+from .step import microbatch_logprobs, placeholder_microbatch
 
 
 @torch.no_grad()
@@ -28,13 +32,13 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
     for mb in plan.microbatches(env.dp_rank):
         if mb.is_empty:  # keep FSDP's per-forward collectives in step with the other ranks
             batch = placeholder_microbatch(env.cp_size).to(env.device)
-            token_losses(model, batch.tokens, batch.labels, batch.position_ids, batch.valid, cp_group=env.cp_group)
+            microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
             continue
         batch = collate(
             [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
         batch = batch.to(env.device)
-        logp = -microbatch_token_losses(model, batch, env.cp_group)
+        logp, _ = microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
         if batch.is_packed:  # one row: sequence i's targets start at its padded offset
             offsets = batch.cu_seqlens_padded.tolist()
             if env.cp_size > 1:
@@ -53,3 +57,20 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
     for part in all_gather_objects(mine):
         merged.update(part)
     return [merged[i] for i in range(len(samples))]
+
+
+@torch.no_grad()
+def fill_logprobs(model, microbatches: list, env, field: str) -> None:
+    """Set ``field`` (``old_logprobs`` or ``ref_logprobs``) of each of this rank's microbatches to
+    ``model``'s log-probabilities of its labels, [rows, s_local] on the model's device. Empty
+    microbatches run a placeholder forward, so FSDP's collectives stay in step across ranks."""
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in microbatches:
+            batch = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
+            logp, _ = microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
+            if not mb.is_empty:
+                setattr(mb, field, logp)
+    finally:
+        model.train(was_training)

@@ -22,14 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from backend.data.tokenizers import build_tokenizer
 from backend.model.factory import build_model
 from backend.model.hf.export import export_hf_dir
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
 
-from .safe_dcp import safe_load
+from .checkpoint import load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +69,7 @@ def export_checkpoint(
         fields["model_type"] = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())["model_type"]
     if fields["model_type"] is None:
         raise ValueError("model.qk_layernorm and model.qkv_bias are both set: no Hugging Face family has both")
-    state = {"model": get_model_state_dict(built.model)}
-    safe_load(state, step_dir)  # model weights only; the optimizer state in the checkpoint is not read
-    set_model_state_dict(built.model, state["model"])
+    load_model_weights(built.model, step_dir)  # model weights only; the optimizer state is not read
     out = export_hf_dir(
         fields,
         full_named_tensors(built.model),

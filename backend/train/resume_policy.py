@@ -36,6 +36,8 @@ Allowed, reported:
   only the arithmetic of later steps changes, e.g. a CPU (fp32) run resumed on a GPU (bf16 under
   ``auto`` anyway). Reported so the change in loss noise has an explanation.
 - ``parallel.backend``, ``parallel.data_parallel_wrapper``: transport and wrapper (one choice today).
+- ``loss.*`` except ``loss.type``: the policy loss's hyperparameters (like the optimizer's); a
+  change of ``loss.type`` itself is refused (another objective, another run).
 - A key missing from the old config (a checkpoint from before the key existed) is allowed, with a
   note; so is a key missing from the new one (removed since). The missing side's value is ``MISSING``.
 """
@@ -69,6 +71,7 @@ _REFUSED_KEYS = {
     "train.seed": "the data stream (the sampler's permutations)",
     "parallel.context_parallel_size": "the context-parallel layout",
     "data.valid_fraction": "which samples the training stream holds (the validation split)",
+    "loss.type": "the training objective (cross-entropy or the policy loss)",
 }
 _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
@@ -96,6 +99,7 @@ _ALLOWED_SECTIONS = {
     "scheduler.": "the learning-rate schedule",
     "logger.": "logging",
     "checkpoint.": "checkpointing",
+    "loss.": "the policy loss's hyperparameters (clips, coefficients, sources of log-probabilities)",
 }
 
 

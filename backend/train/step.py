@@ -5,6 +5,10 @@ window, divided by the window's target count (the same number on every rank, fro
 index). Because that denominator does not depend on how the window was cut into microbatches,
 fixed and dynamic plans produce the same gradient up to floating-point summation order.
 
+With ``loss.type=policy`` the loss is the PPO/GRPO objective (``policy_loss``), normalised over
+the window in the same way (by its loss tokens, or per sequence then over its sequences), so the
+objective, its gradient and every metric are again independent of the plan.
+
 ``train_step`` = ``forward_backward`` (gradients of the whole window) + ``apply_update`` (check,
 clip, optimizer and scheduler step). Callers that must look at the gradients between the two (the
 fixed-versus-dynamic comparison) call them separately.
@@ -25,7 +29,9 @@ from backend.data.iterator import StepData
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import set_grad_sync
 from backend.model import moe_stats
-from backend.model.builder import token_losses
+from backend.model.builder import token_logprobs, token_losses
+
+from .policy_loss import WindowStats, policy_token_terms, token_scale
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -54,18 +60,34 @@ def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
     )
 
 
-def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
-    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device.
-
-    Packed microbatches carry their segment facts (sequence ids, cu_seqlens) into the attention
+def _segments(mb: MicrobatchTensors) -> dict | None:
+    """Packed microbatches carry their segment facts (sequence ids, cu_seqlens) into the attention
     context, so attention stays within each sequence."""
-    segments = None
-    if mb.is_packed:
-        segments = {
-            "segment_ids": mb.segment_ids,
-            "cu_seqlens": mb.cu_seqlens,
-            "cu_seqlens_padded": mb.cu_seqlens_padded,
-        }
+    if not mb.is_packed:
+        return None
+    return {"segment_ids": mb.segment_ids, "cu_seqlens": mb.cu_seqlens, "cu_seqlens_padded": mb.cu_seqlens_padded}
+
+
+def microbatch_logprobs(
+    model, mb: MicrobatchTensors, cp_group=None, *, entropy: str = "", route_rows=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(label), entropy or None), each [rows, s_local] FP32, of one microbatch on its device
+    (``entropy``: "" none, "value" measured without gradient, "grad" differentiable)."""
+    return token_logprobs(
+        model,
+        mb.tokens,
+        mb.labels,
+        mb.position_ids,
+        mb.valid,
+        entropy=entropy,
+        cp_group=cp_group,
+        route_rows=route_rows,
+        segments=_segments(mb),
+    )
+
+
+def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
+    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device."""
     return token_losses(
         model,
         mb.tokens,
@@ -74,7 +96,7 @@ def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, rout
         mb.valid,
         cp_group=cp_group,
         route_rows=route_rows,
-        segments=segments,
+        segments=_segments(mb),
     )
 
 
@@ -90,9 +112,11 @@ def forward_backward(
     data: StepData,
     env,
     *,
+    loss_cfg=None,
     microbatch_hook: MicrobatchHook | None = None,
-) -> float:
-    """Accumulate the window's gradient over this rank's microbatches; returns the window loss.
+) -> dict:
+    """Accumulate the window's gradient over this rank's microbatches; returns ``{"loss": window
+    loss}`` (and, for ``loss_cfg.type == "policy"``, the policy metrics: ``policy_forward_backward``).
     ``microbatch_hook(j)`` (optional) returns a context wrapped around microbatch j's forward and
     backward (the benchmark's activation meter and per-microbatch timer).
 
@@ -100,6 +124,8 @@ def forward_backward(
     losses / samples in the window`` (``backend.model.moe_stats``): independent of the plan. The
     returned loss is the language-model loss only; ``moe_stats.window_metrics`` reports the rest.
     """
+    if loss_cfg is not None and loss_cfg.type == "policy":
+        return policy_forward_backward(model, data, env, loss_cfg, microbatch_hook=microbatch_hook)
     model.train()
     moe_stats.begin_window(model)
     samples = max(1, len(data.window_ids))
@@ -116,7 +142,55 @@ def forward_backward(
                 total = total + aux / samples
             total.backward()
         local_sum += loss_sum.detach().double()
-    return (dist_sum(local_sum) / normaliser).item()
+    return {"loss": (dist_sum(local_sum) / normaliser).item()}
+
+
+def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_hook=None) -> dict:
+    """The policy objective's gradient over the window (``policy_loss``): per microbatch, the
+    log-probabilities and entropy from the logits, the per-token terms, each token scaled by its
+    window share (token or sequence normalisation), one backward. Returns ``loss`` (the window's
+    objective), pg_loss, kl (when kl_coef > 0), entropy, clipfrac, approx_kl, ratio_min, ratio_max."""
+    model.train()
+    moe_stats.begin_window(model)
+    samples = max(1, len(data.window_ids))
+    stats = WindowStats(env.device)
+    count = len(data.microbatches)
+    for j, mb in enumerate(data.microbatches):
+        set_grad_sync(model, j == count - 1)
+        with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
+            mb = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
+            # The entropy is always measured (a metric); it joins the graph only when it is in the loss.
+            lp, entropy = microbatch_logprobs(
+                model,
+                mb,
+                env.cp_group,
+                entropy="grad" if loss_cfg.entropy_coef else "value",
+                route_rows=mb.sample_ids >= 0,
+            )
+            terms = policy_token_terms(
+                lp,
+                entropy,
+                loss_mask=mb.loss_mask,
+                loss_weight=mb.loss_weight,
+                advantages=mb.advantages,
+                old_logprobs=mb.old_logprobs,
+                ref_logprobs=mb.ref_logprobs,
+                cfg=loss_cfg,
+            )
+            scale = token_scale(
+                mb.loss_mask,
+                mb.sequence_targets,
+                normalization=loss_cfg.normalization,
+                window_tokens=data.global_loss_tokens,
+                window_sequences=data.global_loss_sequences,
+            )
+            total = (terms["objective"] * scale).sum()
+            aux = moe_stats.take_microbatch_aux(model)
+            if aux is not None:
+                total = total + aux / samples
+            total.backward()
+            stats.add(terms, scale)
+    return stats.reduce(kl=bool(loss_cfg.kl_coef), entropy=True)
 
 
 def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int) -> dict:
@@ -146,14 +220,15 @@ def train_step(
     clip_grad: float,
     step: int,
     microbatch_hook=None,
+    loss_cfg=None,
 ) -> dict:
     """Forward/backward every microbatch of ``data``, check, clip, update. Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
-    loss = forward_backward(model, data, env, microbatch_hook=microbatch_hook)
+    window = forward_backward(model, data, env, loss_cfg=loss_cfg, microbatch_hook=microbatch_hook)
     moe = moe_stats.window_metrics(model, len(data.window_ids))  # {} for dense models
-    out = apply_update(model, optimizer, scheduler, loss=loss, clip_grad=clip_grad, step=step)
+    out = apply_update(model, optimizer, scheduler, loss=window["loss"], clip_grad=clip_grad, step=step)
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    return {"loss": loss, **out, **moe, "step_time_s": time.perf_counter() - start}
+    return {**window, **out, **moe, "step_time_s": time.perf_counter() - start}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -13,6 +14,7 @@ from backend.config.run_values import resolve_run_config
 from backend.data.build import build_dataset
 from backend.data.errors import DataError
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
+from backend.data.row_fields import format_ignored, row_fields
 from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.data.split import build_train_and_valid, evaluation_ids
 from backend.distributed.plan_check import check_plan_agreement
@@ -27,10 +29,29 @@ from .metrics_rewind import rewind_metrics
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
 from .resume import resume_latest
+from .rollout import RolloutStream, build_reference
 from .run_lock import hold_run_dirs
 from .step import train_step
 
 log = logging.getLogger(__name__)
+
+
+def describe_loss(loss) -> str:
+    """The start-up summary's loss line: ``cross_entropy`` or the policy loss's settings."""
+    if loss.type != "policy":
+        return loss.type
+    parts = [
+        f"policy, clip [{1 - loss.ratio_clip_low:g}, {1 + loss.ratio_clip_high:g}]",
+        f"dual clip {loss.dual_clip:g}" if loss.dual_clip else "",
+        f"{loss.kl_estimator} KL x {loss.kl_coef:g} to " + (loss.reference_checkpoint or "rows' ref_logprobs")
+        if loss.kl_coef
+        else "",
+        f"entropy x {loss.entropy_coef:g}" if loss.entropy_coef else "",
+        f"{loss.normalization} normalisation",
+        f"old log-probs: {loss.old_logprobs}"
+        + (f", {loss.minibatches_per_rollout} steps per rollout" if loss.minibatches_per_rollout > 1 else ""),
+    ]
+    return ", ".join(p for p in parts if p)
 
 
 class Trainer:
@@ -50,7 +71,8 @@ class Trainer:
                 ", ".join(f"rank {w['rank']}@{w['hostname']}/node {w['slurm_node_id']}" for w in world),
             )
 
-        self.dataset, self.valid, self.tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build_dataset)
+        build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
+        self.dataset, self.valid, self.tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
         self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
         if self.oversampling > 1 and env.is_main:
             log.warning(
@@ -77,8 +99,17 @@ class Trainer:
         if edges and env.is_main:
             log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges)
-        self.data = DataIterator(
-            self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
+        loss = cfg.loss
+        self.policy = loss.type == "policy"
+        reference = (
+            build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size) if loss.reference_checkpoint else None
+        )
+        self.data = RolloutStream(
+            DataIterator(self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size),
+            env,
+            policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
+            reference=reference,
+            windows_per_rollout=loss.minibatches_per_rollout,
         )
         if self.valid is not None:
             self.valid_ids = evaluation_ids(self.valid, cfg.train.eval_samples)
@@ -92,6 +123,16 @@ class Trainer:
             self.step = meta["step"]
             self.data.load_state_dict(meta["data"])
             self.wandb_run_id = meta.get("wandb_run_id")
+            rollout = loss.minibatches_per_rollout
+            if self.policy and loss.old_logprobs == "recompute" and self.step % rollout and env.is_main:
+                log.warning(
+                    "resumed after step %d, inside a rollout batch of loss.minibatches_per_rollout=%d windows: the "
+                    "old log-probabilities of the windows from step %d on are recomputed from the resumed weights "
+                    "(a new rollout batch starts there)",
+                    self.step,
+                    rollout,
+                    self.step + 1,
+                )
         if env.is_main and (dropped := rewind_metrics(self.run_dir / "metrics.jsonl", self.step)):
             log.info("metrics.jsonl: dropped %d row(s) past step %d (written before a restart)", dropped, self.step)
         self.metrics = MetricsLogger(
@@ -140,6 +181,8 @@ class Trainer:
             "start_step": self.step,
             "schedule": f"{cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_iters}",
             "run_dir": str(self.run_dir),
+            "loss": describe_loss(cfg.loss),
+            "ignored_fields": format_ignored(getattr(self.dataset, "ignored_fields", {})) or None,
         }
 
     def end_summary(self, status: str) -> None:
@@ -212,6 +255,7 @@ class Trainer:
             self.env,
             clip_grad=self.cfg.optimizer.clip_grad,
             step=self.step,
+            loss_cfg=self.cfg.loss,
         )
         return self.log_step(data, out, data_time)
 
@@ -227,6 +271,8 @@ class Trainer:
         """Step metrics (train_step's, the plan's and the data's) to the console, jsonl and wandb."""
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
         metrics["data_time_s"] = data_time
+        if self.policy:  # forward-only passes (recomputed old / reference log-probabilities) in data_time_s
+            metrics["logprob_time_s"] = self.data.last_fill_s
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
         metrics["peak_memory_bytes"] = peak_memory_bytes(self.env.device)
         metrics["loss_tokens"] = data.global_loss_tokens

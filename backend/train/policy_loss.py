@@ -1,0 +1,157 @@
+"""The PPO / GRPO policy objective per loss token, and its normalisation over the optimizer window.
+
+Per loss token t (DESIGN.md 4b), with lp the policy's log-probability of token t, old the
+sampler's (or recomputed) one, ref the reference model's, A the advantage, c the dual clip:
+
+    r   = exp(clamp(lp - old, -logratio_clamp, +logratio_clamp))
+    pg  = max(-A r, -A clip(r, 1 - ratio_clip_low, 1 + ratio_clip_high));  where A < 0 and c > 1: min(pg, -c A)
+    KL  = k1: lp - ref | k2: (lp - ref)^2 / 2 | k3: exp(ref - lp) - (ref - lp) - 1  (ref - lp clamped likewise)
+    l_t = loss_weight_t * (pg + kl_coef KL - entropy_coef H)
+
+The window's objective is sum_t scale_t l_t over every loss token of every rank and microbatch,
+with scale_t = 1 / (the window's loss tokens) (``token``) or 1 / (the token's sequence's loss
+tokens x the window's sequences that have any) (``sequence``). Both denominators come from the
+dataset index, so no plan changes the objective or its gradient: the field's recurring bug (verl
+#5625 / #6957 / #7225, OpenRLHF #1078, NeMo-RL #2839, Megatron-LM #3078) is a per-microbatch mean.
+
+Values at masked positions never reach the loss: the inputs are replaced (``where``, not a
+product) before any arithmetic, so a NaN there changes neither the loss nor the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.distributed.collectives import dist_max_tensor, dist_sum
+
+# Window metrics summed with the loss's scale (pg_loss, kl, entropy weighted by loss_weight, so
+# objective = pg_loss + kl_coef kl - entropy_coef entropy; clipfrac and approx_kl per loss token).
+SUMMED = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl")
+
+
+def kl_penalty(lp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: float) -> torch.Tensor:
+    """Schulman's estimators of KL(policy || reference) at the sampled token."""
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return (lp - ref).square() / 2
+    if estimator == "k3":
+        x = (ref - lp).clamp(-clamp, clamp)
+        return torch.exp(x) - x - 1
+    raise ValueError(f"loss.kl_estimator={estimator!r}: allowed values are k1, k2, k3")
+
+
+def policy_token_terms(
+    lp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    loss_mask: torch.Tensor,
+    loss_weight: torch.Tensor,
+    advantages: torch.Tensor | None,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    cfg,
+) -> dict[str, torch.Tensor]:
+    """Per-position terms [rows, s] of the objective (``cfg`` is the ``loss`` config section).
+
+    Returns ``objective`` (l_t above, 0 off the loss tokens) and, per position, ``pg``, ``kl``,
+    ``entropy`` (each times loss_weight, as in the objective), ``clipped`` (1 where the clipped
+    term is the larger: no gradient flows there), ``approx_kl`` (old - lp), ``ratio`` and ``used``.
+    Missing fields (a placeholder microbatch) count as zero advantage and old = ref = lp.
+    """
+    used = loss_mask > 0
+    lp_d = lp.detach()
+    zeros = torch.zeros_like(lp_d)
+    adv = zeros if advantages is None else torch.where(used, advantages.to(lp.dtype), zeros)
+    if cfg.old_logprobs == "detach" or old_logprobs is None:
+        old = lp_d
+    else:
+        old = torch.where(used, old_logprobs.to(lp.dtype), lp_d)
+    ratio = torch.exp((lp - old).clamp(-cfg.logratio_clamp, cfg.logratio_clamp))
+    unclipped = -adv * ratio
+    clipped_term = -adv * ratio.clamp(1 - cfg.ratio_clip_low, 1 + cfg.ratio_clip_high)
+    pg = torch.maximum(unclipped, clipped_term)
+    clipped = (clipped_term > unclipped) & used
+    if cfg.dual_clip:
+        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    weight = torch.where(used, loss_weight.to(lp.dtype), zeros)
+    terms = {"pg": weight * pg}
+    objective = terms["pg"]
+    if ref_logprobs is not None:
+        ref = torch.where(used, ref_logprobs.to(lp.dtype), lp_d)
+        terms["kl"] = weight * kl_penalty(lp, ref, cfg.kl_estimator, cfg.logratio_clamp)
+        if cfg.kl_coef:
+            objective = objective + cfg.kl_coef * terms["kl"]
+    if entropy is not None:
+        terms["entropy"] = weight * torch.where(used, entropy, zeros)
+        if cfg.entropy_coef:
+            objective = objective - cfg.entropy_coef * terms["entropy"]
+    terms.update(
+        objective=objective,
+        clipped=clipped.to(lp.dtype),
+        approx_kl=torch.where(used, old - lp_d, zeros),
+        ratio=ratio.detach(),
+        used=used,
+    )
+    return terms
+
+
+def token_scale(
+    loss_mask: torch.Tensor,
+    sequence_targets: torch.Tensor | None,
+    *,
+    normalization: str,
+    window_tokens: int,
+    window_sequences: int,
+) -> torch.Tensor:
+    """Each position's share of the window objective: 1 / N_tokens, or 1 / (n_seq x N_sequences)."""
+    used = loss_mask > 0
+    zeros = torch.zeros_like(loss_mask, dtype=torch.float32)
+    if sequence_targets is None:  # a placeholder microbatch: no loss tokens
+        return zeros
+    if normalization == "token":
+        return torch.where(used, zeros + 1.0 / max(1, window_tokens), zeros)
+    if normalization == "sequence":
+        per_seq = sequence_targets.float().clamp_min(1) * max(1, window_sequences)
+        return torch.where(used, 1.0 / per_seq, zeros)
+    raise ValueError(f"loss.normalization={normalization!r}: allowed values are token, sequence")
+
+
+class WindowStats:
+    """The window's metrics accumulated microbatch by microbatch (local sums, min, max), then
+    reduced over every rank: sums by sum, ratio_min / ratio_max by min / max, so none depends on
+    the plan. Empty and placeholder microbatches add exactly zero (their scale is 0)."""
+
+    def __init__(self, device):
+        self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("objective", *SUMMED)}
+        self.low = torch.full((), float("inf"), dtype=torch.float64, device=device)
+        self.high = torch.full((), float("-inf"), dtype=torch.float64, device=device)
+
+    def add(self, terms: dict[str, torch.Tensor], scale: torch.Tensor) -> None:
+        with torch.no_grad():
+            s = scale.double()
+            self.sums["objective"] += (terms["objective"].detach().double() * s).sum()
+            self.sums["pg_loss"] += (terms["pg"].detach().double() * s).sum()
+            for key in ("kl", "entropy"):
+                if key in terms:
+                    self.sums[key] += (terms[key].detach().double() * s).sum()
+            self.sums["clipfrac"] += (terms["clipped"].double() * s).sum()
+            self.sums["approx_kl"] += (terms["approx_kl"].double() * s).sum()
+            used = terms["used"]
+            if used.any():
+                ratio = terms["ratio"][used].double()
+                self.low = torch.minimum(self.low, ratio.min())
+                self.high = torch.maximum(self.high, ratio.max())
+
+    def reduce(self, *, kl: bool, entropy: bool) -> dict[str, float]:
+        """Every rank's totals: ``loss`` (the objective) and the metrics (kl / entropy when measured)."""
+        keys = list(self.sums)
+        packed = dist_sum(torch.stack([self.sums[k] for k in keys]))
+        extremes = dist_max_tensor(torch.stack([-self.low, self.high]))
+        out = {("loss" if k == "objective" else k): float(v) for k, v in zip(keys, packed.tolist())}
+        if not kl:
+            out.pop("kl")
+        if not entropy:
+            out.pop("entropy")
+        out["ratio_min"], out["ratio_max"] = float(-extremes[0]), float(extremes[1])
+        return out

@@ -1,0 +1,99 @@
+"""What the policy loss reads beyond the rows: old log-probabilities recomputed once per rollout
+batch, and a frozen reference model's log-probabilities, both filled into the training plan's own
+microbatches (``forward_only.fill_logprobs``), so they sit exactly where the loss reads them.
+
+``loss.minibatches_per_rollout = N`` trains a rollout batch of N windows as N optimizer steps.
+With ``loss.old_logprobs=recompute`` the stream takes the N windows together, runs the current
+weights forward-only over all of them (the policy that would have sampled them), then yields them
+one by one: the first step's ratios are exactly 1 and the later ones differ from 1 by the updates
+made since. The saved stream position is that of the last window yielded, never of the windows
+held ahead, so a checkpoint at the end of a rollout batch resumes exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from backend.data.iterator import StepData
+from backend.model.factory import build_model
+
+from .checkpoint import load_model_weights, resolve_step_dir
+from .forward_only import fill_logprobs
+
+log = logging.getLogger(__name__)
+
+
+def build_reference(cfg, env, *, tokenizer_vocab: int):
+    """The frozen, FSDP2-sharded reference model of ``loss.reference_checkpoint``: a Hugging Face
+    directory (``config.json``) or one of our checkpoints (a step_* directory or a checkpoint
+    directory, its newest complete one; weights only, pickle-free). Same architecture as the policy."""
+    source = Path(cfg.loss.reference_checkpoint)
+    if (source / "config.json").is_file():
+        ref_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_checkpoint=str(source)))
+        model = build_model(ref_cfg, env, tokenizer_vocab=tokenizer_vocab, training=False).model
+    else:
+        step_dir = resolve_step_dir(source)
+        model = build_model(cfg, env, tokenizer_vocab=tokenizer_vocab, training=False, empty=True).model
+        load_model_weights(model, step_dir)
+        source = step_dir
+    model.requires_grad_(False)
+    model.eval()
+    if env.is_main:
+        log.info("reference model (loss.reference_checkpoint): %s, frozen, forward-only", source)
+    return model
+
+
+class RolloutStream:
+    """Windows for the trainer, with the policy loss's log-probabilities filled in.
+
+    Wraps the data iterator: takes ``windows_per_rollout`` windows at a time when old
+    log-probabilities are recomputed (else one), fills ``old_logprobs`` from ``policy`` and
+    ``ref_logprobs`` from ``reference`` as configured, and yields them in order. ``last_fill_s``
+    is the time the forward-only passes of the last rollout batch took."""
+
+    def __init__(self, iterator, env, *, policy=None, reference=None, windows_per_rollout: int = 1):
+        self.iterator, self.env = iterator, env
+        self.policy, self.reference = policy, reference
+        self.windows = windows_per_rollout if policy is not None else 1
+        self.pending: deque[tuple[StepData, dict]] = deque()
+        self.state: dict | None = None
+        self.last_fill_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepData:
+        if not self.pending:
+            batch = []
+            for _ in range(self.windows):
+                data = next(self.iterator)
+                batch.append((data, copy.deepcopy(self.iterator.state_dict())))
+            start = time.perf_counter()
+            for data, _ in batch:
+                if self.policy is not None:
+                    fill_logprobs(self.policy, data.microbatches, self.env, "old_logprobs")
+                if self.reference is not None:
+                    fill_logprobs(self.reference, data.microbatches, self.env, "ref_logprobs")
+            self.last_fill_s = time.perf_counter() - start
+            self.pending.extend(batch)
+        data, self.state = self.pending.popleft()
+        return data
+
+    @property
+    def at_rollout_start(self) -> bool:
+        """True when the next window starts a rollout batch (nothing is held ahead)."""
+        return not self.pending
+
+    def state_dict(self) -> dict:
+        """The stream position after the last window yielded (windows held ahead are not counted)."""
+        return copy.deepcopy(self.state) if self.state is not None else self.iterator.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending.clear()
+        self.iterator.load_state_dict(state)
+        self.state = copy.deepcopy(state)
