@@ -6,8 +6,17 @@
     torchrun --nproc-per-node 8 tools/compute_logprobs.py CONFIG --input ... --output ...
 
 Samples are planned under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu),
-spread over data-parallel ranks, right-padded, run, cropped, and written in input order: one line
-per sample, {"index": i, "logprobs": [log p(token t | tokens before t) for t = 1..n-1]}.
+spread over data-parallel ranks, right-padded (or packed: train.dynamic_batch_layout), run,
+cropped, and written in input order: one line per sample, {"index": i, "logprobs": [log p(token t
+| tokens before t) for t = 1..n-1]}.
+
+With --merge-as old_logprobs (or ref_logprobs) the output is instead the input rows themselves,
+each with that field added, aligned like loss_mask (entry 0 null): training rows for
+loss.type=policy, ready to use as data.path. The rows' other fields (advantages, loss_mask, ids)
+are kept as they are:
+
+    python tools/compute_logprobs.py configs/qwen3_4b_grpo.yaml --input rollouts.jsonl \
+        --output rollouts_ref.jsonl --merge-as ref_logprobs --checkpoint checkpoints/ref/step_00001000
 Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
 else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
 the pickle-free loader (backend.train.safe_dcp).
@@ -30,26 +39,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", required=True, help="JSONL with text or input_ids per line")
     p.add_argument("--output", required=True)
     p.add_argument("--checkpoint", help="a step_* checkpoint directory (default: the newest complete one)")
+    p.add_argument(
+        "--merge-as",
+        choices=("old_logprobs", "ref_logprobs"),
+        help="write the input rows with this field added instead of index/logprobs lines",
+    )
     args = p.parse_args(argv)
 
     import os
 
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     from backend.config import ConfigError, checkpoint_dir, load_config, validate
     from backend.data.iterator import planner_from_config
     from backend.data.jsonl import DataFormatError, read_jsonl
+    from backend.data.row_fields import with_logprobs
     from backend.data.tokenizers import build_tokenizer
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.model.factory import build_model
-    from backend.train.checkpoint import complete_checkpoints
+    from backend.train.checkpoint import complete_checkpoints, load_model_weights
     from backend.train.forward_only import compute_logprobs
-    from backend.train.safe_dcp import safe_load
 
     try:
         cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         samples = list(read_jsonl(args.input, tokenizer, cfg.data.json_key))
+        rows = [json.loads(line) for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
     except (ConfigError, DataFormatError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -65,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False, empty=ckpt is not None)
         model = built.model
         if ckpt is not None:
-            state = {"model": get_model_state_dict(model)}
-            safe_load(state, ckpt)  # model weights only; the optimizer state is not read
-            set_model_state_dict(model, state["model"])
+            load_model_weights(model, ckpt)  # model weights only; the optimizer state is not read
         elif cfg.model.hf_checkpoint:
             ckpt = cfg.model.hf_checkpoint
         elif env.is_main:
@@ -77,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             with open(args.output, "w", encoding="utf-8") as f:
                 for i, lp in enumerate(logprobs):
-                    f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
+                    if args.merge_as:
+                        f.write(json.dumps(with_logprobs(rows[i], lp, args.merge_as)) + "\n")
+                    else:
+                        f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
             print(f"wrote log-probabilities of {len(samples)} samples to {args.output} (checkpoint: {ckpt})")
     finally:
         shutdown_distributed()

@@ -120,3 +120,11 @@ def parse_field(name: str, value, n: int, mask: np.ndarray | None, where: str) -
 def format_ignored(ignored: dict[str, int]) -> str:
     """``id (120 rows), source (120 rows)``: the start-up summary's list of fields nothing reads."""
     return ", ".join(f"{k} ({v} row{'s' if v != 1 else ''})" for k, v in sorted(ignored.items()))
+
+
+def with_logprobs(row: dict, logprobs, field: str) -> dict:
+    """``row`` with ``field`` (old_logprobs / ref_logprobs) set from a forward pass's n-1 values
+    (log p of tokens 1..n-1): aligned like loss_mask, entry 0 null (token 0 is never a target)."""
+    if field not in POLICY_FIELDS or field == "advantages":
+        raise ValueError(f"--merge-as {field}: expected old_logprobs or ref_logprobs")
+    return {**row, field: [None, *(float(x) for x in logprobs)]}

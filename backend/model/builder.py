@@ -212,6 +212,11 @@ def token_losses(
     ).float()
 
 
+def token_logits(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:
+    """The model's logits [b, s, V] (in the compute dtype) for one microbatch."""
+    return _forward(model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
+
+
 def token_logprobs(
     model,
     tokens,
@@ -233,9 +238,8 @@ def token_logprobs(
     logsumexp(logits) is the same number as -cross-entropy to FP32 rounding; H = logsumexp -
     sum(softmax * logits). Memory: one FP32 copy of the logits (and its softmax when H is wanted).
     """
-    logits = _forward(
-        model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
-    ).float()
+    logits = token_logits(model, tokens, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
+    logits = logits.float()
     norm = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - norm
     if not entropy:

@@ -12,16 +12,14 @@ import torch
 
 from backend.data.iterator import collate_plan
 from backend.distributed.collectives import dist_sum
+from backend.distributed.fsdp import forward_only
 
 from .step import microbatch_loss_sum, placeholder_microbatch
 
 
-@torch.no_grad()
 def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[float, int]:
     """(valid_loss, target tokens) of ``dataset[ids]``; every rank returns the same values."""
-    was_training = model.training
-    model.eval()
-    try:
+    with forward_only(model):  # resharded after: the next training step's gradients stay right
         plan = planner([int(n) for n in dataset.lengths[ids]])
         local = torch.zeros((), dtype=torch.float64, device=env.device)
         batches = collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size)
@@ -31,5 +29,3 @@ def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[floa
             ).double()
         tokens = int(dataset.loss_token_counts[ids].sum())
         return float(dist_sum(local) / max(1, tokens)), tokens
-    finally:
-        model.train(was_training)

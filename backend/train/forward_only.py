@@ -14,19 +14,22 @@ Two forms, one computation (``step.microbatch_logprobs``: logit[label] - logsume
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from backend.data.collate import collate, cp_unshard, packed_cp_unshard
 from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
+from backend.distributed.fsdp import forward_only
 
 from .step import microbatch_logprobs, placeholder_microbatch
 
 
-@torch.no_grad()
 def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
     """For each sample of n tokens, n-1 values: log p(token t | tokens before t), t = 1..n-1."""
-    model.eval()
+    with forward_only(model):
+        return _compute_logprobs(model, samples, env, planner)
+
+
+def _compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
     plan = planner([len(s.tokens) for s in samples])
     mine: dict[int, np.ndarray] = {}
     for mb in plan.microbatches(env.dp_rank):
@@ -59,18 +62,13 @@ def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndar
     return [merged[i] for i in range(len(samples))]
 
 
-@torch.no_grad()
 def fill_logprobs(model, microbatches: list, env, field: str) -> None:
     """Set ``field`` (``old_logprobs`` or ``ref_logprobs``) of each of this rank's microbatches to
     ``model``'s log-probabilities of its labels, [rows, s_local] on the model's device. Empty
     microbatches run a placeholder forward, so FSDP's collectives stay in step across ranks."""
-    was_training = model.training
-    model.eval()
-    try:
+    with forward_only(model):
         for mb in microbatches:
             batch = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
             logp, _ = microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
             if not mb.is_empty:
                 setattr(mb, field, logp)
-    finally:
-        model.train(was_training)

@@ -1,0 +1,217 @@
+"""The policy loss in the trainer, one process (gloo world of one), FP32 on CPU:
+
+- a forward-only pass (recomputed or reference log-probabilities, validation) leaves the next
+  step's gradient as it was (FSDP2 resharded after it);
+- old_logprobs=detach gives exactly REINFORCE: the gradient of the weighted cross-entropy with
+  loss_weight = advantage;
+- the KL to a reference equal to the policy is 0;
+- NaN where the loss mask is 0 changes nothing;
+- minibatches_per_rollout=2 with recompute equals a run whose rows carry the same old
+  log-probabilities (step 1's ratios are exactly 1, step 2's differ by the first update only);
+- a reference model from loss.reference_checkpoint gives the step-1 objective of rows that carry
+  that model's ref_logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backend.config import load_config, validate
+from backend.data.build import build_dataset
+from backend.data.iterator import StepData, collate_plan, planner_from_config
+from backend.data.jsonl import InMemoryDataset
+from backend.data.row_fields import row_fields, with_logprobs
+from backend.data.sample import Sample
+from backend.logging.metrics import read_metrics
+from backend.model.factory import build_model
+from backend.train.checkpoint import load_model_weights
+from backend.train.forward_only import compute_logprobs, fill_logprobs
+from backend.train.step import forward_backward
+from backend.train.trainer import Trainer
+from tests.conftest import TINY
+from tests.helpers.rl_rows import rl_rows, write_rows
+
+WINDOW = 8
+
+
+def _cfg(rows, *extra):
+    base = [
+        f"data.path={rows}",
+        "data.max_seq_length=160",
+        f"train.global_batch_size={WINDOW}",
+        "loss.type=policy",
+        "train.dynamic_batch_enable=true",
+        "train.max_tokens_per_gpu=256",
+        "checkpoint.resume=false",
+        "logger.log_interval=1000",
+    ]
+    return validate(load_config(TINY, [*base, *extra]))
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("policy_rows")
+    return write_rows(tmp / "rows.jsonl", rl_rows(2 * WINDOW, seed=5, max_len=100))
+
+
+def _window(dataset, cfg, env, ids=None) -> StepData:
+    ids = np.arange(WINDOW) if ids is None else ids
+    plan = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)(
+        [int(n) for n in dataset.lengths[ids]]
+    )
+    counts = dataset.loss_token_counts[ids]
+    return StepData(
+        ids,
+        plan,
+        collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size),
+        int(counts.sum()),
+        int(np.count_nonzero(counts)),
+    )
+
+
+def _grad(model) -> torch.Tensor:
+    return torch.cat(
+        [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1) for p in model.parameters()]
+    ).double()
+
+
+@pytest.fixture(scope="module")
+def policy_model(world, rows):
+    cfg = _cfg(rows, "loss.kl_coef=0.1")
+    dataset, tok = build_dataset(cfg.data, row_fields(cfg.loss))
+    return cfg, dataset, build_model(cfg, world, tokenizer_vocab=tok.vocab_size).model
+
+
+def _grad_of(model, data, env, loss_cfg) -> tuple[dict, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = forward_backward(model, data, env, loss_cfg=loss_cfg)
+    return out, _grad(model)
+
+
+def test_a_forward_only_pass_leaves_the_next_gradient_unchanged(world, policy_model):
+    cfg, dataset, model = policy_model
+    _, before = _grad_of(model, _window(dataset, cfg, world), world, cfg.loss)
+    fill_logprobs(model, _window(dataset, cfg, world).microbatches, world, "old_logprobs")
+    _, after = _grad_of(model, _window(dataset, cfg, world), world, cfg.loss)
+    assert torch.equal(before, after)  # without the reshard: embedding gradient x2
+
+
+def test_detach_is_reinforce_weighted_cross_entropy(world, policy_model, rows):
+    cfg, dataset, model = policy_model
+    detach = _cfg(rows, "loss.old_logprobs=detach").loss
+    out, grad = _grad_of(model, _window(dataset, cfg, world), world, detach)
+    assert out["ratio_min"] == out["ratio_max"] == 1.0 and out["clipfrac"] == 0.0
+    weighted = InMemoryDataset(
+        [Sample(s.tokens, s.loss_mask, loss_weight=s.advantages) for s in (dataset[i] for i in range(len(dataset)))],
+        "weighted",
+    )
+    ce_out, ce_grad = _grad_of(model, _window(weighted, cfg, world), world, None)
+    # the objective's value is -mean(A) (ratio 1); its gradient is the weighted cross-entropy's
+    samples = [dataset[i] for i in range(WINDOW)]
+    minus_mean_a = -sum(float(s.advantages[1:][s.loss_mask[1:] > 0].sum()) for s in samples) / sum(
+        s.loss_tokens() for s in samples
+    )
+    assert out["loss"] == pytest.approx(minus_mean_a, rel=1e-6)
+    cos = float(torch.dot(grad, ce_grad) / (grad.norm() * ce_grad.norm()))
+    assert cos >= 0.999999 and float((grad - ce_grad).norm() / ce_grad.norm()) <= 1e-5
+
+
+def test_kl_is_zero_when_the_reference_is_the_policy(world, policy_model):
+    cfg, dataset, model = policy_model
+    data = _window(dataset, cfg, world)
+    fill_logprobs(model, data.microbatches, world, "ref_logprobs")
+    out, _ = _grad_of(model, data, world, cfg.loss)
+    assert out["kl"] == 0.0
+
+
+def test_nan_where_masked_changes_nothing(world, policy_model, rows, tmp_path):
+    cfg, dataset, model = policy_model
+    zeros = [json.loads(line) for line in Path(rows).read_text().splitlines()]
+    for row in zeros:
+        for key in ("old_logprobs", "ref_logprobs"):
+            row[key] = [0.0 if v is None else v for v in row[key]]
+    clean, _ = build_dataset(_cfg(write_rows(tmp_path / "zeros.jsonl", zeros)).data, row_fields(cfg.loss))
+    assert any(np.isnan(dataset[i].old_logprobs).any() for i in range(WINDOW))
+    out_nan, grad_nan = _grad_of(model, _window(dataset, cfg, world), world, cfg.loss)
+    out_zero, grad_zero = _grad_of(model, _window(clean, cfg, world), world, cfg.loss)
+    assert out_nan == out_zero and torch.equal(grad_nan, grad_zero)
+
+
+def _train(cfg, world) -> tuple[list[dict], torch.Tensor, Trainer]:
+    trainer = Trainer(cfg, world)
+    trainer.train()
+    trainer.metrics.close()
+    steps, _ = read_metrics(Path(cfg.logger.run_dir) / "metrics.jsonl")
+    params = torch.cat(
+        [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1) for p in trainer.model.parameters()]
+    )
+    return steps, params.double(), trainer
+
+
+def _merged(rows, model, cfg, world, field, out: Path) -> Path:
+    """``rows`` with ``field`` computed by ``model`` (the offline tool's library calls)."""
+    dataset, _ = build_dataset(cfg.data, row_fields(None) if False else row_fields(cfg.loss))
+    samples = [dataset[i] for i in range(len(dataset))]
+    planner = planner_from_config(cfg.train, dp_size=world.dp_size, cp_size=world.cp_size, forward=True)
+    logprobs = compute_logprobs(model, samples, world, planner)
+    source = [json.loads(line) for line in Path(rows).read_text().splitlines()]
+    return write_rows(out, [with_logprobs(r, lp, field) for r, lp in zip(source, logprobs)])
+
+
+def test_recomputed_old_logprobs_over_two_minibatches_equal_supplied_ones(world, rows, tmp_path):
+    common = ["train.train_iters=2", "scheduler.type=constant", "scheduler.warmup_iters=0", "optimizer.lr=0.001"]
+    recompute = _cfg(
+        rows,
+        *common,
+        "loss.old_logprobs=recompute",
+        "loss.minibatches_per_rollout=2",
+        f"logger.run_dir={tmp_path / 'a'}",
+    )
+    steps_a, params_a, trainer = _train(recompute, world)
+    assert steps_a[0]["ratio_min"] == steps_a[0]["ratio_max"] == 1.0  # recomputed from these very weights
+    assert steps_a[1]["ratio_max"] > 1.0 or steps_a[1]["ratio_min"] < 1.0  # the first update moved them
+    # the same old log-probabilities, computed offline from the same initial weights and carried by the rows
+    init = build_model(recompute, world, tokenizer_vocab=trainer.tokenizer.vocab_size).model
+    supplied_rows = _merged(rows, init, recompute, world, "old_logprobs", tmp_path / "with_old.jsonl")
+    supplied = _cfg(supplied_rows, *common, f"logger.run_dir={tmp_path / 'b'}")
+    steps_b, params_b, _ = _train(supplied, world)
+    for a, b in zip(steps_a, steps_b):
+        for key in ("loss", "pg_loss", "clipfrac", "approx_kl", "ratio_min", "ratio_max"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert float((params_a - params_b).abs().max()) <= 1e-5
+
+
+def test_reference_checkpoint_equals_rows_carrying_its_logprobs(world, rows, tmp_path):
+    # a reference that differs from the initial policy: one trained step
+    first = _cfg(
+        rows,
+        "train.train_iters=1",
+        "optimizer.lr=0.05",
+        "scheduler.warmup_iters=0",
+        f"logger.run_dir={tmp_path / 'ref'}",
+    )
+    _, _, trainer = _train(first, world)
+    ckpt = tmp_path / "ref" / "checkpoints"
+    by_model = _cfg(
+        rows,
+        "train.train_iters=1",
+        "loss.kl_coef=0.1",
+        f"loss.reference_checkpoint={ckpt}",
+        f"logger.run_dir={tmp_path / 'm'}",
+    )
+    steps_m, _, _ = _train(by_model, world)
+    ref_model = build_model(
+        first, world, tokenizer_vocab=trainer.tokenizer.vocab_size, training=False, empty=True
+    ).model
+    load_model_weights(ref_model, ckpt / "step_00000001")
+    carried = _merged(rows, ref_model, first, world, "ref_logprobs", tmp_path / "with_ref.jsonl")
+    by_rows = _cfg(carried, "train.train_iters=1", "loss.kl_coef=0.1", f"logger.run_dir={tmp_path / 'r'}")
+    steps_r, _, _ = _train(by_rows, world)
+    assert steps_m[0]["kl"] > 1e-6  # the reference really differs from the policy
+    assert steps_m[0]["loss"] == pytest.approx(steps_r[0]["loss"], rel=1e-6)
+    assert steps_m[0]["kl"] == pytest.approx(steps_r[0]["kl"], rel=1e-5)
