@@ -5,7 +5,12 @@
     python tools/compare_arms.py configs/quickstart.yaml --nproc 4 parallel.context_parallel_size=2
 
 The fixed arm runs micro-batch size --fixed-mbs (1 by default) with dynamic batching off; the
-dynamic arm runs the config's budget. Same seed, same windows, same initial weights.
+dynamic arm runs the config's budget (in its train.dynamic_batch_layout). Same seed, same
+windows, same initial weights. --packed adds a third arm, dynamic with the packed layout, compared
+with the fixed arm under "packed" in the JSON. With loss.type=policy the table also shows each
+arm's policy metrics (pg_loss, clipfrac, kl, ...) and their worst relative difference:
+
+    python tools/compare_arms.py configs/quickstart.yaml --packed loss.type=policy data.path=rollouts.jsonl
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="processes per arm (dp * cp)")
     p.add_argument("--fixed-mbs", type=int, default=1)
     p.add_argument("--out-dir", help="where arm runs and records go (default: a temporary folder)")
+    p.add_argument("--packed", action="store_true", help="add a dynamic arm with the packed layout")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # dotted overrides before or after the flags
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare_arms_"))
     common = dict(nproc=args.nproc, steps=args.steps, out_dir=out_dir)
     fixed = run_arm(
@@ -47,31 +53,45 @@ def main(argv: list[str] | None = None) -> int:
         "fixed_mbs": args.fixed_mbs,
         **compare(fixed, dynamic),
     }
-    print(f"{'step':>4} {'loss fixed':>12} {'loss dynamic':>13}")
-    for i, (a, b) in enumerate(zip(result["loss_ref"], result["loss_other"]), 1):
-        print(f"{i:>4} {a:12.6f} {b:13.6f}")
+    arms = {"fixed": fixed, "dynamic": dynamic}
+    if args.packed:
+        packed_overrides = ["train.dynamic_batch_enable=true", "train.dynamic_batch_layout=packed"]
+        arms["packed"] = run_arm(args.config, [*args.overrides, *packed_overrides], name="packed", **common)
+        result["packed"] = compare(fixed, arms["packed"])
+    print(f"{'step':>4} " + " ".join(f"{'loss ' + name:>14}" for name in arms))
+    for i in range(result["steps"]):
+        print(f"{i + 1:>4} " + " ".join(f"{arm['loss'][i]:14.8f}" for arm in arms.values()))
+    print_table(result, "dynamic")
+    if args.packed:
+        print_table(result["packed"], "packed")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def print_table(result: dict, name: str) -> None:
+    """The agreement of one arm with the fixed arm, and (policy loss) each metric's worst difference."""
+    print(f"-- fixed vs {name}")
     rows = [
         ("loss_rel_diff", f"{result['loss_rel_diff']:.3e}"),
         ("grad_cosine", f"{result['grad_cosine']:.8f}"),
         ("update_cosine", f"{result['update_cosine']:.8f}"),
         ("rel_update_diff", f"{result['rel_update_diff']:.3e}"),
         ("max_param_diff", f"{result['max_param_diff']:.3e}"),
-        ("step_time_ratio (fixed/dynamic)", f"{result['step_time_ratio']:.2f}"),
-        ("peak_memory_diff_bytes (fixed-dynamic)", f"{result['peak_memory_diff_bytes']:,}"),
+        (f"step_time_ratio (fixed/{name})", f"{result['step_time_ratio']:.2f}"),
+        (f"peak_memory_diff_bytes (fixed-{name})", f"{result['peak_memory_diff_bytes']:,}"),
         (
-            "microbatches/step fixed, dynamic",
+            f"microbatches/step fixed, {name}",
             f"{result['num_microbatches_ref']:.1f}, {result['num_microbatches_other']:.1f}",
         ),
         (
-            "padding efficiency fixed, dynamic",
+            f"padding efficiency fixed, {name}",
             f"{result['padding_efficiency_ref']:.3f}, {result['padding_efficiency_other']:.3f}",
         ),
     ]
+    rows += [(f"{key} rel diff", f"{value:.3e}") for key, value in result.get("metric_rel_diff", {}).items()]
     for k, v in rows:
         print(f"{k:<42} {v}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The GPU check, one command, under 8 minutes on one H200 with no network:
+# The GPU check, one command, under 10 minutes on one H200 with no network:
 #   bash tools/gpu_check.sh [OUT_DIR]
 # 0. No CUDA device visible: exit 3 with the reason, before anything else (so CPU machines stop here).
 # 1. megatron-core, omegaconf and wandb, when the image lacks them, from the carried gpu_wheelhouse/
 #    (build it with tools/gpu_wheelhouse.sh where there is network), offline, into .gpu_site/
 #    beside the image's packages (tools/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
 # 2. The steps at the bottom, each under its timeout, all under one budget (GPU_CHECK_BUDGET_S,
-#    440 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
+#    550 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
 #    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports, GPT-OSS
 #    sinks + sliding windows + MoE on flex (FP32) and on TE's softmax_type="learnable" (BF16)), the
 #    FlexAttention compile count with and without shape buckets and the MoE experts' grouped GEMM
 #    against a per-expert loop (tools/bench_moe_experts.py), tools/bench_train.py on the GPU
 #    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
-#    (random weights, the short set).
+#    (random weights, the short set), and the policy loss's check (tools/compare_arms.py with
+#    loss.type=policy on synthetic rollouts, the ~250M model in BF16: fixed micro-batch size 1 vs
+#    dynamic padded vs packed; objective, gradient and update agreement).
 # Files in OUT_DIR (default: $OUT, else gpu_check_out), at most 8 (what the device returns):
-# environment.txt (with the install log), NAME.log per step, bench_gpu.json, bench_qwen3_4b.json,
-# summary.txt (<= 30 lines).
+# environment.txt (with the install log), NAME.log per step (bench_qwen3_4b's JSON is in its log),
+# bench_gpu.json, summary.txt (<= 30 lines).
 # Exit: 0 every step passed, 1 a step failed, timed out or was skipped, 2 install failed, 3 no CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ mkdir -p "$out"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 wheelhouse="${WHEELHOUSE:-gpu_wheelhouse}"
 site=.gpu_site
-budget_s="${GPU_CHECK_BUDGET_S:-440}"
+budget_s="${GPU_CHECK_BUDGET_S:-550}"
 
 # 0. CUDA first, with the reason; nothing else may run (or fail) before it.
 if ! reason=$("$py" -c "
@@ -99,13 +101,24 @@ step() {
 step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
 step kernels 70 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
-step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --out "$out/bench_qwen3_4b.json"
+step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json
+rl_tmp=$(mktemp -d)
+trap 'rm -rf "$results" "$rl_tmp"' EXIT
+policy_model="model.hidden_size=1024 model.num_layers=16 model.num_attention_heads=16 model.num_query_groups=4"
+policy_loss="loss.type=policy loss.ratio_clip_high=0.28 loss.kl_coef=0.001 loss.entropy_coef=0.001"
+policy_data="data.path=$rl_tmp/rollouts.jsonl data.valid_fraction=0 train.eval_interval=0 train.global_batch_size=32"
+step policy_arms 110 bash -c "'$py' -m backend.bench.rl_rows --out '$rl_tmp/rollouts.jsonl' --count 64 --max-len 1024 \
+  && '$py' tools/compare_arms.py configs/quickstart.yaml --packed --nproc 1 --steps 2 --out-dir '$rl_tmp/arms' \
+  $policy_model $policy_data $policy_loss train.precision=bf16 train.max_tokens_per_gpu=16384 checkpoint.interval=0"
 
 files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
 {
   echo "gpu_check: exit $status, $SECONDS s; $(grep -m1 '^torch ' "$out/environment.txt")"
   cat "$results"
   grep -hE "^device |^cost model|speedup vs mbs1|^flex compile|^experts speedup" "$out"/*.log || echo "bench: no result lines"
+  # one line per policy arm: "policy fixed vs packed: loss_rel_diff=... grad_cosine=... ..."
+  awk '/^-- fixed vs/ { arm = $4 } /^(loss_rel_diff|grad_cosine|update_cosine|rel_update_diff) / { v[arm] = v[arm] " " $1 "=" $2 }
+    END { for (a in v) print "policy fixed vs " a ":" v[a] }' "$out/policy_arms.log" 2> /dev/null || true
   [ "$files" -lt 8 ] || echo "gpu_check: $((files + 1)) files in $out; the device returns only 8"
 } > "$out/summary.txt"
 sed -i '31,$d' "$out/summary.txt" # at most 30 lines (a head -n 30 pipe could kill the block with SIGPIPE)

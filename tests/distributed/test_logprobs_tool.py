@@ -55,3 +55,33 @@ def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded
         assert all(x <= 0 for r in rows for x in r["logprobs"])
     for a, b in zip(outs[0], outs[1]):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= 1e-5
+
+
+def test_merge_as_writes_training_rows_a_policy_run_reads(tmp_path, embedded_cache):
+    """--merge-as ref_logprobs: the input rows come back with the field added (entry 0 null), and a
+    policy run with kl_coef reads them as data."""
+    from backend.bench.rl_rows import rl_rows, write_rows
+    from backend.config import load_config
+    from backend.data.build import build_dataset
+    from backend.data.row_fields import row_fields
+
+    rows = rl_rows(5, seed=2, max_len=40)
+    for row in rows:
+        del row["ref_logprobs"]
+    source = write_rows(tmp_path / "rollouts.jsonl", rows)
+    out = tmp_path / "with_ref.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "tools/compute_logprobs.py", TINY, f"data.cache_dir={embedded_cache}"]
+    cmd += ["train.forward_max_tokens_per_gpu=64", "--input", str(source), "--output", str(out)]
+    cmd += ["--merge-as", "ref_logprobs"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: v for k, v in m.items() if k != "ref_logprobs"} for m in merged] == rows
+    for m in merged:
+        assert m["ref_logprobs"][0] is None and len(m["ref_logprobs"]) == len(m["input_ids"])
+        assert all(x <= 0 for x in m["ref_logprobs"][1:])
+    overrides = [f"data.path={out}", "loss.type=policy", "loss.kl_coef=0.1"]
+    cfg = load_config(TINY, overrides)
+    dataset, _ = build_dataset(cfg.data, row_fields(cfg.loss))
+    assert dataset[0].ref_logprobs is not None and dataset.ignored_fields == {"id": 5}

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from backend.bench.rl_rows import rl_rows, write_rows
 from tests.conftest import TINY
-from tests.helpers.rl_rows import rl_rows, write_rows
 
 from .harness import run_ranks
 

@@ -173,3 +173,18 @@ def test_end_summary_with_and_without_validation():
     assert "checkpoint   runs/a/checkpoints/step_00000004" in text
     plain = format_end_summary({**run_totals(train), "status": "preempted"})
     assert plain.startswith("run preempted") and "valid loss" not in plain and "checkpoint" not in plain
+
+
+def test_policy_runs_show_their_loss_clipfrac_and_ignored_fields():
+    from backend.config.schema import LossConfig
+    from backend.logging.console import format_step_stats
+    from backend.train.trainer import describe_loss
+
+    loss = LossConfig(type="policy", ratio_clip_high=0.28, kl_coef=0.001, reference_checkpoint="ckpt/ref")
+    text = format_startup_summary({"loss": describe_loss(loss), "ignored_fields": "id (12 rows)"})
+    assert "loss" in text and "policy, clip [0.8, 1.28]" in text and "k3 KL x 0.001 to ckpt/ref" in text
+    assert "row fields nothing reads: id (12 rows)" in text
+    assert describe_loss(LossConfig()) == "cross_entropy"
+    line = format_step_stats({"loss": -0.0123, "clipfrac": 0.0625, "grad_norm": 1.0})
+    assert "loss -0.0123" in line and "clipfrac 0.062" in line
+    assert "clipfrac" not in format_step_stats({"loss": 2.0})

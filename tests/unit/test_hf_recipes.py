@@ -15,7 +15,11 @@ from tests.conftest import REPO
 
 @pytest.mark.parametrize(
     "recipe,params,family,head_dim",
-    [("qwen3_4b_dynamic", 4_022_468_096, "qwen3", 128), ("llama31_8b_dynamic", 8_030_261_248, "llama", 128)],
+    [
+        ("qwen3_4b_dynamic", 4_022_468_096, "qwen3", 128),
+        ("qwen3_4b_grpo", 4_022_468_096, "qwen3", 128),
+        ("llama31_8b_dynamic", 8_030_261_248, "llama", 128),
+    ],
 )
 def test_recipe_architecture_is_the_released_model(world, recipe, params, family, head_dim):
     from backend.model.builder import model_family
@@ -40,3 +44,13 @@ def test_recipe_refuses_a_missing_checkpoint():
 
     with pytest.raises(ConfigError, match=r"model.hf_checkpoint='checkpoints/Qwen3-4B': no such directory"):
         load_config(REPO / "configs" / "qwen3_4b_dynamic.yaml")
+
+
+def test_grpo_recipe_is_packed_policy_training_with_a_reference():
+    overrides = ["model.hf_checkpoint=''"]
+    cfg = validate(load_config(REPO / "configs" / "qwen3_4b_grpo.yaml", overrides), world_size=8)
+    assert cfg.train.dynamic_batch_enable and cfg.train.dynamic_batch_layout == "packed"
+    loss = cfg.loss
+    assert (loss.type, loss.kl_estimator, loss.old_logprobs) == ("policy", "k3", "recompute")
+    assert loss.ratio_clip_high > loss.ratio_clip_low and loss.kl_coef > 0 and loss.reference_checkpoint
+    assert cfg.checkpoint.interval % loss.minibatches_per_rollout == 0

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.bench.rl_rows import rl_rows, write_rows
 from backend.config import load_config, validate
 from backend.data.build import build_dataset
 from backend.data.iterator import StepData, collate_plan, planner_from_config
@@ -34,7 +35,6 @@ from backend.train.forward_only import compute_logprobs, fill_logprobs
 from backend.train.step import forward_backward
 from backend.train.trainer import Trainer
 from tests.conftest import TINY
-from tests.helpers.rl_rows import rl_rows, write_rows
 
 WINDOW = 8
 
