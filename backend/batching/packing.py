@@ -21,10 +21,18 @@ Planning is bin packing under the budget, balanced across DP ranks on modelled t
    the costliest of a slot to the least loaded rank. Spare bins are empty microbatches.
 
 Everything is a deterministic function of the inputs: ties break on window position.
+
+Cost: O(n log n) for n sequences. A bin fits while its summed segment length is at most one
+capacity (``_capacity``: the row length never shrinks as the total grows, so "fits" is a
+threshold), so first fit is the leftmost leaf of a max tree of remaining capacities that holds the
+sequence, and "least loaded that fits" is a heap ordered by (modelled time, bin) popped until a bin
+fits. Both choose exactly the bins the earlier scans over every open bin chose (the same plans,
+tested against that scan), which took 2.0-3.2 s for 4,096 sequences and 73 s for 16,384.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 from .args import PlanArgs
@@ -88,9 +96,10 @@ def packed(lengths: list[int], args: PlanArgs) -> StepPlan:
     price = _Pricer(args)
     seg_mult = args.segment_multiple
     seg = [round_up(n, seg_mult) for n in lengths]
-    order = sorted(range(len(lengths)), key=lambda i: (-seg[i], i))
-    oversize = [i for i in order if not price.fits(seg[i])]
-    rest = [i for i in order if price.fits(seg[i])]
+    order = sorted(range(len(lengths)), key=seg.__getitem__, reverse=True)  # longest first; ties: window order
+    capacity = _capacity(price)
+    oversize = [i for i in order if seg[i] > capacity]
+    rest = [i for i in order if seg[i] <= capacity]
     if oversize:
         log.warning(
             "%d sequence(s) exceed max_tokens_per_gpu=%d on their own (cp_size=%d); each runs as a "
@@ -100,11 +109,11 @@ def packed(lengths: list[int], args: PlanArgs) -> StepPlan:
             cp,
         )
 
-    ffd = _first_fit_decreasing(rest, seg, price)
+    ffd = _first_fit_decreasing(rest, seg, capacity)
     slots = max(1, -(-(len(oversize) + len(ffd)) // dp))
     candidates = [ffd]
     for k in (slots, slots + 1):
-        bins = _balanced(rest, seg, price, k * dp - len(oversize))
+        bins = _balanced(rest, seg, price, capacity, k * dp - len(oversize))
         if bins is not None:
             candidates.append(bins)
     best = None
@@ -118,39 +127,97 @@ def packed(lengths: list[int], args: PlanArgs) -> StepPlan:
     return best[1]
 
 
-def _first_fit_decreasing(items: list[int], seg: list[int], price: _Pricer) -> list[list[int]]:
-    bins: list[list[int]] = []
-    totals: list[int] = []
-    for i in items:
-        for b, total in enumerate(totals):
-            if price.fits(total + seg[i]):
-                bins[b].append(i)
-                totals[b] += seg[i]
-                break
+def _capacity(price: _Pricer) -> int:
+    """The largest summed segment length a bin may hold: ``price.fits(t)`` iff ``t <= capacity``.
+
+    The row length (rounded up to the multiple, then to a bucket edge) never decreases as the
+    total grows, so fitting is a threshold, found by bisection; a total of budget x cp + cp never
+    fits (the row is at least the total)."""
+    lo, hi = 0, price.budget * price.cp + price.cp
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if price.fits(mid):
+            lo = mid
         else:
-            bins.append([i])
-            totals.append(seg[i])
+            hi = mid
+    return lo
+
+
+def _first_fit_decreasing(items: list[int], seg: list[int], capacity: int) -> list[list[int]]:
+    """Each item (longest first) into the first bin with room, else a new bin.
+
+    A max tree over bin slots holds each slot's remaining capacity; slots not yet opened hold the
+    whole capacity, so the leftmost slot with room is either the first open bin with room or the
+    next new one: first fit in O(log n) per item."""
+    # First fit leaves at most one bin half empty or emptier, so it opens at most 2 x total / capacity + 1 bins.
+    bound = min(len(items), 2 * sum(seg[i] for i in items) // max(1, capacity) + 1)
+    size = 1
+    while size < max(1, bound):
+        size *= 2
+    tree = [capacity] * (2 * size)
+    bins: list[list[int]] = []
+    for i in items:
+        need = seg[i]
+        if tree[1] < need:  # cannot happen (every item fits an empty bin, and the bound holds)
+            raise RuntimeError(f"first fit: no bin slot of {size} holds {need} tokens (capacity {capacity})")
+        node = 1
+        while node < size:  # the leftmost leaf with room
+            node *= 2
+            if tree[node] < need:
+                node += 1
+        b = node - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        tree[node] -= need
+        node //= 2
+        while node:  # the maxima above it, until one is unchanged
+            best = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == best:
+                break
+            tree[node] = best
+            node //= 2
     return bins
 
 
-def _balanced(items: list[int], seg: list[int], price: _Pricer, num_bins: int) -> list[list[int]] | None:
-    """Longest first into the least loaded bin (modelled time) that fits; None when one does not fit."""
+def _balanced(items: list[int], seg: list[int], price: _Pricer, capacity: int, num_bins: int) -> list[list[int]] | None:
+    """Longest first into the least loaded bin (modelled time, then bin index) that fits; None when
+    one does not fit. A heap of (time, bin) is popped until a bin has room (the popped ones that
+    had none go back): the bins a scan of every bin would choose, in O(log n) per item when time
+    grows with the total (a bin that does not fit leaves only bins of the same time to try)."""
     if num_bins < 1:
         return None if items else []
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     totals, areas = [0] * num_bins, [0] * num_bins
+    time = price.time
+    if not price.weight and not price.edges:  # the common case, inlined: the row's tokens per GPU
+        m, cp = price.multiple, price.cp
+
+        def time(total: int, _area: int) -> int:
+            return -(-total // m) * m // cp
+
+    heap = [(time(0, 0), b) for b in range(num_bins)]
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in items:
-        best, best_key = -1, None
-        for b in range(num_bins):
-            if price.fits(totals[b] + seg[i]):
-                key = (price.time(totals[b], areas[b]), b)
-                if best_key is None or key < best_key:
-                    best, best_key = b, key
-        if best < 0:
-            return None
-        bins[best].append(i)
-        totals[best] += seg[i]
-        areas[best] += seg[i] * seg[i]
+        need = seg[i]
+        b = heap[0][1]
+        if totals[b] + need <= capacity:  # the least loaded bin has room (the common case): one sift
+            totals[b] += need
+            areas[b] += need * need
+            replace(heap, (time(totals[b], areas[b]), b))
+        else:  # pop until a bin has room; the ones without go back
+            full = [pop(heap)]
+            while heap and totals[heap[0][1]] + need > capacity:
+                full.append(pop(heap))
+            if not heap:
+                return None
+            b = heap[0][1]
+            totals[b] += need
+            areas[b] += need * need
+            replace(heap, (time(totals[b], areas[b]), b))
+            for entry in full:
+                push(heap, entry)
+        bins[b].append(i)
     return bins
 
 

@@ -87,6 +87,7 @@ _ALLOWED_KEYS = {
     "train.forward_max_tokens_per_gpu": "forward-only passes' microbatching",
     "train.precision": "compute dtype only; FP32 master weights and optimizer state load unchanged",
     "data.cache_dir": "where caches live",
+    "data.prefetch": "when the next window is prepared, not which one",
     "data.valid_path": "what is evaluated, not what is trained",
     "train.eval_interval": "when validation runs",
     "train.eval_samples": "what is evaluated, not what is trained",

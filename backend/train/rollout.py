@@ -63,15 +63,18 @@ class RolloutStream:
         self.pending: deque[tuple[StepData, dict]] = deque()
         self.state: dict | None = None
         self.last_fill_s = 0.0
+        self.last_wait_s = 0.0  # waiting for windows from the iterator in the last next()
 
     def __iter__(self):
         return self
 
     def __next__(self) -> StepData:
+        self.last_wait_s = 0.0
         if not self.pending:
             batch = []
             for _ in range(self.windows):
                 data = next(self.iterator)
+                self.last_wait_s += getattr(self.iterator, "last_wait_s", 0.0)
                 batch.append((data, copy.deepcopy(self.iterator.state_dict())))
             start = time.perf_counter()
             for data, _ in batch:

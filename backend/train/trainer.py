@@ -14,6 +14,7 @@ from backend.config.run_values import resolve_run_config
 from backend.data.build import build_dataset
 from backend.data.errors import DataError
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
+from backend.data.prefetch import PrefetchingIterator, SyncIterator
 from backend.data.row_fields import format_ignored, row_fields
 from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.data.split import build_train_and_valid, evaluation_ids
@@ -104,8 +105,11 @@ class Trainer:
         reference = (
             build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size) if loss.reference_checkpoint else None
         )
+        windows = DataIterator(
+            self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
+        )
         self.data = RolloutStream(
-            DataIterator(self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size),
+            PrefetchingIterator(windows) if cfg.data.prefetch else SyncIterator(windows),
             env,
             policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
             reference=reference,
@@ -271,6 +275,7 @@ class Trainer:
         """Step metrics (train_step's, the plan's and the data's) to the console, jsonl and wandb."""
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
         metrics["data_time_s"] = data_time
+        metrics["data_wait_s"] = self.data.last_wait_s  # waiting for the window's plan and tensors
         if self.policy:  # forward-only passes (recomputed old / reference log-probabilities) in data_time_s
             metrics["logprob_time_s"] = self.data.last_fill_s
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
