@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 
 from .args import PlanArgs
 from .buckets import bucket_length
@@ -148,7 +149,10 @@ def _first_fit_decreasing(items: list[int], seg: list[int], capacity: int) -> li
 
     A max tree over bin slots holds each slot's remaining capacity; slots not yet opened hold the
     whole capacity, so the leftmost slot with room is either the first open bin with room or the
-    next new one: first fit in O(log n) per item."""
+    next new one: first fit in O(log n) per item. A run of equal items is placed a bin at a time:
+    after one goes into the leftmost bin with room, that bin stays the leftmost with room for the
+    next while it has room, so as many as fit go there at once (RL windows repeat lengths: every
+    response cut at the generation limit has the same one)."""
     # First fit leaves at most one bin half empty or emptier, so it opens at most 2 x total / capacity + 1 bins.
     bound = min(len(items), 2 * sum(seg[i] for i in items) // max(1, capacity) + 1)
     size = 1
@@ -156,27 +160,34 @@ def _first_fit_decreasing(items: list[int], seg: list[int], capacity: int) -> li
         size *= 2
     tree = [capacity] * (2 * size)
     bins: list[list[int]] = []
-    for i in items:
-        need = seg[i]
-        if tree[1] < need:  # cannot happen (every item fits an empty bin, and the bound holds)
-            raise RuntimeError(f"first fit: no bin slot of {size} holds {need} tokens (capacity {capacity})")
-        node = 1
-        while node < size:  # the leftmost leaf with room
-            node *= 2
-            if tree[node] < need:
-                node += 1
-        b = node - size
-        if b == len(bins):
-            bins.append([])
-        bins[b].append(i)
-        tree[node] -= need
-        node //= 2
-        while node:  # the maxima above it, until one is unchanged
-            best = max(tree[2 * node], tree[2 * node + 1])
-            if tree[node] == best:
-                break
-            tree[node] = best
+    start, n = 0, len(items)
+    while start < n:
+        need = seg[items[start]]
+        end = start + 1
+        while end < n and seg[items[end]] == need:
+            end += 1
+        while start < end:
+            if tree[1] < need:  # cannot happen (every item fits an empty bin, and the bound holds)
+                raise RuntimeError(f"first fit: no bin slot of {size} holds {need} tokens (capacity {capacity})")
+            node = 1
+            while node < size:  # the leftmost leaf with room
+                node *= 2
+                if tree[node] < need:
+                    node += 1
+            b = node - size
+            if b == len(bins):
+                bins.append([])
+            take = min(end - start, tree[node] // need)
+            bins[b].extend(items[start : start + take])
+            start += take
+            tree[node] -= take * need
             node //= 2
+            while node:  # the maxima above it, until one is unchanged
+                best = max(tree[2 * node], tree[2 * node + 1])
+                if tree[node] == best:
+                    break
+                tree[node] = best
+                node //= 2
     return bins
 
 
@@ -190,7 +201,8 @@ def _balanced(items: list[int], seg: list[int], price: _Pricer, capacity: int, n
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     totals, areas = [0] * num_bins, [0] * num_bins
     time = price.time
-    if not price.weight and not price.edges:  # the common case, inlined: the row's tokens per GPU
+    tokens_only = not price.weight and not price.edges
+    if tokens_only:  # the common case, inlined: the row's tokens per GPU
         m, cp = price.multiple, price.cp
 
         def time(total: int, _area: int) -> int:
@@ -198,6 +210,18 @@ def _balanced(items: list[int], seg: list[int], price: _Pricer, capacity: int, n
 
     heap = [(time(0, 0), b) for b in range(num_bins)]
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    if tokens_only:  # the same loop without areas or calls, until the least loaded bin is full
+        for i in items:
+            need = seg[i]
+            b = heap[0][1]
+            if totals[b] + need > capacity:
+                break  # the general loop below takes over from this item
+            total = totals[b] = totals[b] + need
+            replace(heap, (-(-total // m) * m // cp, b))
+            bins[b].append(i)
+        else:
+            return bins
+        items = items[sum(len(members) for members in bins) :]  # areas stay 0: this time ignores them
     for i in items:
         need = seg[i]
         b = heap[0][1]
@@ -223,16 +247,16 @@ def _balanced(items: list[int], seg: list[int], price: _Pricer, capacity: int, n
 
 def _microbatch(indices: list[int], lengths: list[int], seg: list[int], price: _Pricer) -> Microbatch:
     indices = sorted(indices)  # row order: window order (any order is correct; this one is canonical)
-    total = sum(seg[i] for i in indices)
-    row = price.row_len(total)
     segments = [seg[i] for i in indices]
+    total = sum(segments)
+    row = price.row_len(total)
     segments[-1] += row - total  # the row's tail padding joins the last sequence
     return Microbatch(
         indices=tuple(indices),
         padded_len=row,
         cost=row // price.cp,
-        tokens=sum(lengths[i] for i in indices),
-        area=sum(s * s for s in segments),
+        tokens=sum(map(lengths.__getitem__, indices)),
+        area=sum(map(operator.mul, segments, segments)),
         packed=True,
     )
 
