@@ -28,8 +28,8 @@ from backend.bench.compare import compare, run_arm  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value, applied to both arms")
+    p.add_argument("config", help="the YAML config both arms train (as for python -m backend.train)")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted.key=value, applied to both arms (optional)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2, help="processes per arm (dp * cp)")
     p.add_argument("--fixed-mbs", type=int, default=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-token log-probabilities of a JSONL file's samples under a config's model (forward only).
 
-    python tools/compute_logprobs.py configs/quickstart.yaml --input samples.jsonl --output logprobs.jsonl \
+    python tools/compute_logprobs.py configs/quickstart.yaml --input samples.jsonl --output logprobs.jsonl \\
         [--checkpoint runs/quickstart/checkpoints/step_00000020] [dotted.key=value ...]
     torchrun --nproc-per-node 8 tools/compute_logprobs.py CONFIG --input ... --output ...
 
@@ -15,7 +15,7 @@ each with that field added, aligned like loss_mask (entry 0 null): training rows
 loss.type=policy, ready to use as data.path. The rows' other fields (advantages, loss_mask, ids)
 are kept as they are:
 
-    python tools/compute_logprobs.py configs/qwen3_4b_grpo.yaml --input rollouts.jsonl \
+    python tools/compute_logprobs.py configs/qwen3_4b_grpo.yaml --input rollouts.jsonl \\
         --output rollouts_ref.jsonl --merge-as ref_logprobs --checkpoint checkpoints/ref/step_00001000
 Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
 else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("config", help="the YAML config of the model (as for python -m backend.train)")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides (optional)")
     p.add_argument("--input", required=True, help="JSONL with text or input_ids per line")
     p.add_argument("--output", required=True)
     p.add_argument("--checkpoint", help="a step_* checkpoint directory (default: the newest complete one)")

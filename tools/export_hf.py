@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Export one of our checkpoints as a Hugging Face model directory (safetensors, no custom code).
 
-    python tools/export_hf.py runs/qwen3/checkpoints/step_00001000 --output exported/qwen3-sft \
+    python tools/export_hf.py runs/qwen3/checkpoints/step_00001000 --output exported/qwen3-sft \\
         [--config runs/qwen3/config.yaml] [--dtype bf16|fp32] [--max-shard-size 5GB] [dotted.key=value ...]
 
 Writes config.json, model.safetensors (or model-0000i-of-0000N.safetensors + index, cut at

@@ -92,8 +92,18 @@ def plan_from_lengths(lengths: list[int], args: argparse.Namespace) -> tuple[Ste
         micro_batch_size=args.micro_batch_size or 1,
         pad_to_multiple=args.pad_to_multiple,
         overhead=args.overhead,
+        layout=args.layout,
     )
     return plan("fixed" if args.micro_batch_size else "dynamic", window, plan_args), what
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def mb_label(mb) -> str:
+    """Padded: ``4x1024`` (rows x padded length); packed: ``9 seq / 4427`` (sequences in one row of that length)."""
+    return f"{len(mb.indices)} seq / {mb.padded_len}" if mb.packed else f"{len(mb.indices)}x{mb.padded_len}"
 
 
 def draw_plan(step_plan: StepPlan, out: str | Path, *, title: str = "") -> Path:
@@ -134,7 +144,7 @@ def draw_plan(step_plan: StepPlan, out: str | Path, *, title: str = "") -> Path:
                 ax.text(
                     x0 + mb.cost / 2,
                     r,
-                    f"{len(mb.indices)}x{mb.padded_len}",
+                    mb_label(mb),
                     ha="center",
                     va="center",
                     fontsize=7,
@@ -147,7 +157,7 @@ def draw_plan(step_plan: StepPlan, out: str | Path, *, title: str = "") -> Path:
     ax.set_yticks(range(dp), [f"dp {r}" for r in range(dp)])
     ax.set_ylabel("data-parallel rank")
     ax.set_xlabel(
-        f"tokens per GPU (padded, after the CP cut), microbatch slots in execution order: {n} slots, "
+        f"tokens per GPU (padded, after the CP cut), microbatch slots in execution order: {plural(n, 'slot')}, "
         f"{total:,} tokens on the slowest path"
     )
     if n <= 40:  # slot numbers on a secondary axis at the top
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead", type=int, default=DEFAULT_MICROBATCH_OVERHEAD, help="lengths file: per microbatch")
     p.add_argument("--micro-batch-size", type=int, default=0, help="lengths file: a fixed plan of this size instead")
     p.add_argument("--global-batch-size", type=int, default=0, help="lengths file: window size (0: the whole file)")
+    p.add_argument("--layout", default="padded", choices=("padded", "packed"), help="lengths file: the layout")
     p.add_argument("--out", default="plan.png", help="the PNG to write")
     args = p.parse_args(argv)
     if (args.config is None) == (args.lengths_file is None):
@@ -216,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     out = draw_plan(step_plan, args.out, title=what)
     m = step_plan.metrics()
     print(
-        f"wrote {out}: {step_plan.num_microbatches} microbatches x {step_plan.dp_size} ranks, padding efficiency "
+        f"wrote {out}: {plural(step_plan.num_microbatches, 'microbatch', 'microbatches')} x "
+        f"{plural(step_plan.dp_size, 'rank')}, padding efficiency "
         f"{m['padding_efficiency']:.3f}, rank imbalance {m['rank_imbalance']:.3f}"
     )
     return 0

@@ -263,7 +263,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
 
     cp = cfg.parallel.context_parallel_size
     if world_size % cp:
-        errors.append(f"parallel.context_parallel_size={cp}: must divide the world size {world_size}")
+        hint = f"; launch with torchrun --nproc-per-node {cp} (or a multiple of it)" if world_size == 1 else ""
+        errors.append(f"parallel.context_parallel_size={cp}: must divide the world size {world_size}{hint}")
     dp = max(1, world_size // cp)
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(

@@ -65,8 +65,8 @@ class LengthLimitedDataset:
                 counts[i] = self._cut(base[int(i)]).loss_tokens()
         self.lengths = np.minimum(lengths[self.ids], max_seq_length)
         self.loss_token_counts = counts[self.ids]
-        if len(over) and policy != "error":
-            log.warning(
+        if len(over) and policy != "error":  # chosen on purpose: counted (start-up summary, metrics), not warned
+            log.info(
                 "%s: %d sample(s) over data.max_seq_length=%d were %s",
                 base.source,
                 len(over),

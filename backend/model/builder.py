@@ -131,6 +131,9 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         kwargs["softmax_type"] = "learnable"
     if model_cfg.sliding_window:
         kwargs |= dict(window_size=(model_cfg.sliding_window - 1, 0), window_attn_skip_freq=layer_flags(model_cfg))
+    if "cuda_graph_scope" in te_cfg.TransformerConfig.__dataclass_fields__:
+        # Its default "full" is deprecated and warns on every build; [] is the same (no graphs here).
+        kwargs["cuda_graph_scope"] = []
     config = te_cfg.TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,

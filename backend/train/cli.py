@@ -23,7 +23,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="backend-train", description=__doc__)
     parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, applied in order")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="dotted.key=value overrides, applied in order (optional)"
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

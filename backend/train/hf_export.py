@@ -48,6 +48,16 @@ def _tokenizer_source(cfg) -> Path | None:
     return None
 
 
+def tokenizer_note(cfg, out) -> str:
+    """Why an export holds no tokenizer files, and what to do (data.tokenizer=byte has none)."""
+    return (
+        f"{out}: no tokenizer files written: data.tokenizer={cfg.data.tokenizer} is not a Hugging Face tokenizer "
+        f"(the byte tokenizer's ids are the UTF-8 bytes 0-255{', 256 the end of document' if cfg.data.append_eod else ''}); "
+        f"AutoModelForCausalLM loads the weights, and a model trained on a Hugging Face tokenizer (data.tokenizer=DIR "
+        f"or model.hf_checkpoint) gets its files copied"
+    )
+
+
 def export_checkpoint(
     step_dir: str | Path,
     cfg,
@@ -79,4 +89,6 @@ def export_checkpoint(
         max_shard_bytes=max_shard_bytes,
     )
     log.info("exported %s as a %s model (%s) to %s", step_dir, fields["model_type"], dtype, out)
+    if source is None:
+        log.warning("%s", tokenizer_note(cfg, out))
     return out

@@ -63,8 +63,8 @@ class Trainer:
         self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
         world = describe_world(env)
         check_world_matches_allocation(world)
+        self.world = world
         if env.is_main:
-            (self.run_dir / "world.json").write_text(json.dumps(world, indent=1))
             log.info(
                 "world: %d ranks on %d node(s): %s",
                 env.world_size,
@@ -90,8 +90,6 @@ class Trainer:
         self.cfg = cfg = dataclasses.replace(
             resolved, model=dataclasses.replace(resolved.model, attention_backend=self.backend)
         )
-        if env.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
 
@@ -137,6 +135,8 @@ class Trainer:
                     rollout,
                     self.step + 1,
                 )
+        if env.is_main and self.step < cfg.train.train_iters:
+            self.write_run_record()
         if env.is_main and (dropped := rewind_metrics(self.run_dir / "metrics.jsonl", self.step)):
             log.info("metrics.jsonl: dropped %d row(s) past step %d (written before a restart)", dropped, self.step)
         self.metrics = MetricsLogger(
@@ -146,6 +146,21 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if env.is_main:
             log.info("%s", format_startup_summary(self.startup_info()))
+
+    def write_run_record(self) -> None:
+        """config.yaml (the config this run trains with) and world.json, written only by a start that
+        will train: a start with nothing left to train changes no file of the run directory. A
+        resume with another config keeps the earlier one beside it as
+        ``config.before_step_NNNNNNNN.yaml`` (the config that trained up to that step)."""
+        path = self.run_dir / "config.yaml"
+        if path.is_file() and self.step:
+            earlier = path.read_text(encoding="utf-8")
+            save_config(self.cfg, path)
+            if path.read_text(encoding="utf-8") != earlier:
+                (self.run_dir / f"config.before_step_{self.step:08d}.yaml").write_text(earlier, encoding="utf-8")
+        else:
+            save_config(self.cfg, path)
+        (self.run_dir / "world.json").write_text(json.dumps(self.world, indent=1))
 
     def startup_info(self) -> dict:
         """What the start-up summary shows: model, parallel layout, attention, data, batching, schedule."""

@@ -14,6 +14,7 @@ imported with those weights silently dropped.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -153,6 +154,13 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _plain_file_mode(path: Path) -> None:
+    """The mode an ordinary new file gets here (0666 less the umask; 0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_sharded(
     tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> list[Path]:
@@ -197,6 +205,8 @@ def write_sharded(
     flush()
     if not written:
         raise HFCheckpointError("no tensors to write")
+    for path in written:  # safetensors writes 0600; the weights get the mode config.json gets
+        _plain_file_mode(path)
     if len(written) == 1:
         final = [out / SINGLE]
         written[0].rename(final[0])
