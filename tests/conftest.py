@@ -17,6 +17,7 @@ def embedded_cache(tmp_path_factory) -> str:
 
     cache = tmp_path_factory.mktemp("data_cache")
     build_embedded(cache)
+    build_embedded(cache, 1024)  # the quickstart's, cut at line boundaries
     return str(cache)
 
 

@@ -169,6 +169,9 @@ class DataConfig:
     # id 256, so the vocabulary is 257). For a .bin/.idx prefix nothing is appended: say true when it
     # was written by tools/preprocess_data.py --append-eod, so the tokenizer's vocabulary holds the id.
     append_eod: bool = False
+    # data.path=embedded only: cut definitions longer than max_seq_length at line boundaries into
+    # documents that fit (all of the text is trained on) instead of applying data.overlong to them.
+    embedded_cut_lines: bool = False
     # Plan, read and collate the next optimizer window in a background thread while this one
     # trains (same windows, same plans, exact resume); false prepares it at the start of its step.
     prefetch: bool = True

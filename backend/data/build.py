@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .chat import LazyChatRenderer, chat_template_dir
-from .embedded import build_embedded
+from .embedded import build_embedded, cut_report
 from .errors import DataError, DataFileError, DataNotFoundError
 from .indexed import IndexedTokenDataset, indexed_exists, token_dtype
 from .jsonl import InMemoryDataset, read_jsonl
@@ -40,7 +40,10 @@ def build_dataset(data_cfg, fields: RowFields = CROSS_ENTROPY) -> tuple[LengthLi
                 "data.append_eod=true: the embedded data set has no end-of-document ids; use a JSONL file or a "
                 "prefix written by tools/preprocess_data.py --append-eod"
             )
-        base = IndexedTokenDataset(build_embedded(data_cfg.cache_dir))
+        cut_at = data_cfg.max_seq_length if getattr(data_cfg, "embedded_cut_lines", False) else None
+        prefix = build_embedded(data_cfg.cache_dir, cut_at)
+        base = IndexedTokenDataset(prefix)
+        base.note = cut_report(prefix)
     elif path.endswith(".jsonl"):
         if not Path(path).is_file():
             raise DataNotFoundError(f"data.path: no such file {path}")

@@ -40,6 +40,7 @@ class LengthLimitedDataset:
         self.source = base.source
         self.has_loss_weight = getattr(base, "has_loss_weight", False)
         self.ignored_fields = getattr(base, "ignored_fields", {})
+        self.note = getattr(base, "note", "")  # how the source was prepared (documents cut), for the summary
         self.max_seq_length = max_seq_length
         lengths = np.asarray(base.lengths, dtype=np.int64)
         if len(lengths) == 0:

@@ -26,6 +26,7 @@ class SubsetDataset:
         self.loss_token_counts = np.asarray(base.loss_token_counts)[self.ids]
         self.has_loss_weight = getattr(base, "has_loss_weight", False)
         self.ignored_fields = getattr(base, "ignored_fields", {})
+        self.note = getattr(base, "note", "")  # how the source was prepared (documents cut), for the summary
         self.report = getattr(base, "report", None)
 
     def __len__(self) -> int:

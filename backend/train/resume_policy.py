@@ -67,6 +67,7 @@ _REFUSED_KEYS = {
     "data.max_seq_length": "which samples exist and their lengths",
     "data.overlong": "which samples exist and their lengths",
     "data.append_eod": "the tokens of every sample and the vocabulary",
+    "data.embedded_cut_lines": "which samples exist and their lengths",
     "train.global_batch_size": "the data stream (samples per window)",
     "train.seed": "the data stream (the sampler's permutations)",
     "parallel.context_parallel_size": "the context-parallel layout",

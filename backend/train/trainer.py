@@ -166,6 +166,8 @@ class Trainer:
         """What the start-up summary shows: model, parallel layout, attention, data, batching, schedule."""
         cfg, env, report = self.cfg, self.env, self.dataset.report
         source = self.dataset.source
+        if getattr(self.dataset, "note", ""):
+            source += f" ({self.dataset.note})"
         if report is not None and (report.truncated or report.dropped):
             source += f" (over data.max_seq_length: {report.truncated} truncated, {report.dropped} dropped)"
         validation = None

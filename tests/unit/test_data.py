@@ -191,3 +191,13 @@ def test_iterator_empty_microbatches_are_zero_length_and_loss_normaliser_is_glob
             assert mb.tokens.shape == (0, 0) and mb.num_loss_tokens == 0
         seen += mb.sample_ids.tolist()
     assert sorted(seen) == [0, 1]
+
+
+def test_cut_at_lines_keeps_all_the_text_in_documents_that_fit():
+    from backend.data.embedded import cut_at_lines
+
+    doc = b"def f():\n" + b"    x = 1\n" * 30 + b"    " + b"y" * 50 + b"\n"
+    pieces = cut_at_lines(doc, 32)
+    assert b"".join(pieces) == doc and all(0 < len(p) <= 32 for p in pieces)
+    assert all(p.endswith(b"\n") for p in pieces[:-3])  # cut between lines (one long line is cut inside)
+    assert cut_at_lines(b"short\n", 32) == [b"short\n"]
