@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataFileError, DataNotFoundError
-from .row_fields import PASS_THROUGH, RowFields, check_finite_where_used
+from .row_fields import PASS_THROUGH, RowFields, check_finite_where_used, refusal
 from .sample import POLICY_FIELDS, Sample
 
 MASK_SUFFIX = "_loss_mask"
@@ -151,10 +151,7 @@ class IndexedTokenDataset:
         present = [name for name, (suffix, _, _) in SIDECARS.items() if indexed_exists(self.prefix + suffix)]
         for name in fields.refuse:
             if name in present:
-                raise DataFileError(
-                    f"{self.prefix}_{name}.bin/.idx: '{name}' is a policy-gradient field, but {fields.why} would "
-                    f"ignore it: set loss.type=policy (README: RL) or point data.path at a prefix without it"
-                )
+                raise DataFileError(f"{self.prefix}_{name}.bin/.idx: {refusal(name, fields)}")
         for name in fields.required:
             if name not in present:
                 raise DataFileError(

@@ -51,7 +51,7 @@ def row_fields(loss_cfg) -> RowFields:
     return RowFields(read=tuple(needed), required=tuple(needed), refuse=(), why=", ".join(why))
 
 
-def _refusal(name: str, fields: RowFields) -> str:
+def refusal(name: str, fields: RowFields) -> str:
     return (
         f"'{name}' is a policy-gradient field, but {fields.why} would ignore it: set loss.type=policy "
         f"(README: RL) or remove the field"
@@ -62,7 +62,7 @@ def check_row_keys(row: dict, fields: RowFields, where: str, json_key: str, igno
     """Refused fields stop the load; required ones must be there; the rest are counted in ``ignored``."""
     for name in fields.refuse:
         if name in row:
-            raise DataFormatError(f"{where}: {_refusal(name, fields)}")
+            raise DataFormatError(f"{where}: {refusal(name, fields)}")
     for name in fields.required:
         if name not in row:
             raise DataFormatError(

@@ -137,11 +137,11 @@ class WindowStats:
                     self.sums[key] += (terms[key].detach().double() * s).sum()
             self.sums["clipfrac"] += (terms["clipped"].double() * s).sum()
             self.sums["approx_kl"] += (terms["approx_kl"].double() * s).sum()
-            used = terms["used"]
-            if used.any():
-                ratio = terms["ratio"][used].double()
-                self.low = torch.minimum(self.low, ratio.min())
-                self.high = torch.maximum(self.high, ratio.max())
+            # where, not indexing or a branch: no device-to-host sync per microbatch
+            used, ratio = terms["used"], terms["ratio"].double()
+            inf = torch.full_like(ratio, float("inf"))
+            self.low = torch.minimum(self.low, torch.where(used, ratio, inf).min())
+            self.high = torch.maximum(self.high, torch.where(used, ratio, -inf).max())
 
     def reduce(self, *, kl: bool, entropy: bool) -> dict[str, float]:
         """Every rank's totals: ``loss`` (the objective) and the metrics (kl / entropy when measured)."""

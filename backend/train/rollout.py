@@ -75,7 +75,7 @@ class RolloutStream:
             for _ in range(self.windows):
                 data = next(self.iterator)
                 self.last_wait_s += getattr(self.iterator, "last_wait_s", 0.0)
-                batch.append((data, copy.deepcopy(self.iterator.state_dict())))
+                batch.append((data, self.iterator.state_dict()))  # a fresh dict per call
             start = time.perf_counter()
             for data, _ in batch:
                 if self.policy is not None:

@@ -73,31 +73,16 @@ def microbatch_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label), entropy or None), each [rows, s_local] FP32, of one microbatch on its device
     (``entropy``: "" none, "value" measured without gradient, "grad" differentiable)."""
+    inputs = (mb.tokens, mb.labels, mb.position_ids, mb.valid)
     return token_logprobs(
-        model,
-        mb.tokens,
-        mb.labels,
-        mb.position_ids,
-        mb.valid,
-        entropy=entropy,
-        cp_group=cp_group,
-        route_rows=route_rows,
-        segments=_segments(mb),
+        model, *inputs, entropy=entropy, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb)
     )
 
 
 def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
     """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device."""
-    return token_losses(
-        model,
-        mb.tokens,
-        mb.labels,
-        mb.position_ids,
-        mb.valid,
-        cp_group=cp_group,
-        route_rows=route_rows,
-        segments=_segments(mb),
-    )
+    inputs = (mb.tokens, mb.labels, mb.position_ids, mb.valid)
+    return token_losses(model, *inputs, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb))
 
 
 def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
@@ -126,23 +111,35 @@ def forward_backward(
     """
     if loss_cfg is not None and loss_cfg.type == "policy":
         return policy_forward_backward(model, data, env, loss_cfg, microbatch_hook=microbatch_hook)
+    normaliser = max(1, data.global_loss_tokens)
+    local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+
+    def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
+        nonlocal local_sum
+        loss_sum = microbatch_loss_sum(model, mb, env)
+        local_sum += loss_sum.detach().double()
+        return loss_sum / normaliser
+
+    backward_window(model, data, env, microbatch_objective, microbatch_hook)
+    return {"loss": (dist_sum(local_sum) / normaliser).item()}
+
+
+def backward_window(model, data: StepData, env, microbatch_objective, microbatch_hook=None) -> None:
+    """The one microbatch loop of every loss: gradient sync on the last microbatch only, empty
+    microbatches as a placeholder (same collectives, zero gradient), ``microbatch_objective(mb)``
+    (this microbatch's share of the window objective) plus its MoE aux loss, one backward each."""
     model.train()
     moe_stats.begin_window(model)
     samples = max(1, len(data.window_ids))
-    normaliser = max(1, data.global_loss_tokens)
-    local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     count = len(data.microbatches)
     for j, mb in enumerate(data.microbatches):
         set_grad_sync(model, j == count - 1)
         with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
-            loss_sum = microbatch_loss_sum(model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env)
-            total = loss_sum / normaliser
+            total = microbatch_objective(placeholder_microbatch(env.cp_size) if mb.is_empty else mb)
             aux = moe_stats.take_microbatch_aux(model)
             if aux is not None:
                 total = total + aux / samples
             total.backward()
-        local_sum += loss_sum.detach().double()
-    return {"loss": (dist_sum(local_sum) / normaliser).item()}
 
 
 def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_hook=None) -> dict:
@@ -150,46 +147,34 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
     log-probabilities and entropy from the logits, the per-token terms, each token scaled by its
     window share (token or sequence normalisation), one backward. Returns ``loss`` (the window's
     objective), pg_loss, kl (when kl_coef > 0), entropy, clipfrac, approx_kl, ratio_min, ratio_max."""
-    model.train()
-    moe_stats.begin_window(model)
-    samples = max(1, len(data.window_ids))
     stats = WindowStats(env.device)
-    count = len(data.microbatches)
-    for j, mb in enumerate(data.microbatches):
-        set_grad_sync(model, j == count - 1)
-        with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
-            mb = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
-            # The entropy is always measured (a metric); it joins the graph only when it is in the loss.
-            lp, entropy = microbatch_logprobs(
-                model,
-                mb,
-                env.cp_group,
-                entropy="grad" if loss_cfg.entropy_coef else "value",
-                route_rows=mb.sample_ids >= 0,
-            )
-            terms = policy_token_terms(
-                lp,
-                entropy,
-                loss_mask=mb.loss_mask,
-                loss_weight=mb.loss_weight,
-                advantages=mb.advantages,
-                old_logprobs=mb.old_logprobs,
-                ref_logprobs=mb.ref_logprobs,
-                cfg=loss_cfg,
-            )
-            scale = token_scale(
-                mb.loss_mask,
-                mb.sequence_targets,
-                normalization=loss_cfg.normalization,
-                window_tokens=data.global_loss_tokens,
-                window_sequences=data.global_loss_sequences,
-            )
-            total = (terms["objective"] * scale).sum()
-            aux = moe_stats.take_microbatch_aux(model)
-            if aux is not None:
-                total = total + aux / samples
-            total.backward()
-            stats.add(terms, scale)
+
+    def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
+        mb = mb.to(env.device)
+        # The entropy is always measured (a metric); it joins the graph only when it is in the loss.
+        entropy = "grad" if loss_cfg.entropy_coef else "value"
+        lp, h = microbatch_logprobs(model, mb, env.cp_group, entropy=entropy, route_rows=mb.sample_ids >= 0)
+        terms = policy_token_terms(
+            lp,
+            h,
+            loss_mask=mb.loss_mask,
+            loss_weight=mb.loss_weight,
+            advantages=mb.advantages,
+            old_logprobs=mb.old_logprobs,
+            ref_logprobs=mb.ref_logprobs,
+            cfg=loss_cfg,
+        )
+        scale = token_scale(
+            mb.loss_mask,
+            mb.sequence_targets,
+            normalization=loss_cfg.normalization,
+            window_tokens=data.global_loss_tokens,
+            window_sequences=data.global_loss_sequences,
+        )
+        stats.add(terms, scale)
+        return (terms["objective"] * scale).sum()
+
+    backward_window(model, data, env, microbatch_objective, microbatch_hook)
     return stats.reduce(kl=bool(loss_cfg.kl_coef), entropy=True)
 
 
