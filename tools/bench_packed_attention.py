@@ -2,7 +2,7 @@
 """Does the sdpa packed path pay for sum(l_i^2) or for the row's square? Measure it.
 
 One long-tailed packed row (RL-like lengths, up to --cap tokens, --row tokens in all) runs the
-per-sequence SDPA path (backend.model.packed_attention.sdpa_packed), forward and backward, on
+per-sequence SDPA path (backend.model.attention.sdpa.sdpa_packed), forward and backward, on
 random q/k/v. Beside it: the same row as ONE sequence (sum l^2 = row^2: what a path paying for the
 row's square costs) and, for reference, SDPA with the dense (row x row) document mask. The time
 ratio packed / one-sequence is printed beside the area ratio sum(l_i^2) / row^2.
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from backend.model.packed_attention import packed_dense_mask, sdpa_packed
+    from backend.model.attention.masks import dense_mask
+    from backend.model.attention.sdpa import sdpa_packed
 
     torch.manual_seed(args.seed)
     lengths = row_lengths(args.row, args.cap, args.seed)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     result["area_ratio"] = sum(n * n for n in lengths) / total**2
     result["time_ratio"] = result["packed_s"] / result["one_sequence_s"]
     if args.dense:
-        mask = packed_dense_mask(ctx)
+        mask = dense_mask(ctx)
         result["dense_mask_s"] = timed(
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), q, k, v, args.repeats
         )

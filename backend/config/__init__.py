@@ -1,6 +1,7 @@
 """Config: dataclass schema, YAML + dotted overrides (OmegaConf struct mode), one validation pass."""
 
-from .load import ConfigError, load_config, save_config, to_yaml
+from .errors import ConfigError
+from .load import load_config, save_config, to_yaml
 from .paths import checkpoint_dir
 from .schema import Config
 from .validate import validate

@@ -12,13 +12,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from backend.errors import UserError
-
+from .errors import ConfigError
+from .resolve import resolve
 from .schema import Config
-
-
-class ConfigError(UserError, ValueError):
-    """A bad config: the message names the dotted key and what is allowed."""
 
 
 def _allowed_keys(dotted: str) -> str:
@@ -108,7 +104,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     architecture from its config.json and ``data.tokenizer=auto`` becomes a concrete tokenizer, so
     ``--print-config`` and the run's saved config.yaml show what is actually built.
     """
-    from .resolve import resolve
 
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)

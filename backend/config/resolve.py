@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import ConfigError
 from .hf import FIELDS, GPT_OSS_FIELDS, HFConfigError, check_against_explicit, read_hf_config
-from .load import ConfigError
 from .schema import Config, RopeScalingConfig
 
 #: Our model keys that config.json determines (``backend.config.hf.FIELDS`` minus model_type).

@@ -6,7 +6,7 @@ import math
 
 from backend.batching import smallest_budget
 
-from .load import ConfigError
+from .errors import ConfigError
 from .schema import (
     ATTENTION_BACKENDS,
     BATCH_LAYOUTS,

@@ -60,3 +60,10 @@ class Rope:
         inv, attention_factor = self.frequencies()
         cos, sin = cos_sin(positions.t(), inv, attention_factor, dtype)  # [s, b, head_dim]
         return cos[:, :, None, :], sin[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by the (cos, sin) tables of ``Rope.tables`` (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -20,7 +20,8 @@ def _kernel_vs_dense(ctx, rng_seed: int, *, heads: int = 4, kv_heads: int = 2, d
     import torch.nn.functional as F
 
     from backend.model.attention import gather_cp
-    from backend.model.packed_attention import packed_dense_mask, sdpa_packed
+    from backend.model.attention.masks import dense_mask
+    from backend.model.attention.sdpa import sdpa_packed
 
     g = torch.Generator().manual_seed(rng_seed)
     s = ctx.positions.shape[1]
@@ -30,7 +31,7 @@ def _kernel_vs_dense(ctx, rng_seed: int, *, heads: int = 4, kv_heads: int = 2, d
     kg = gather_cp(k.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
     vg = gather_cp(v.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
     ours = sdpa_packed(q, kg, vg, ctx, 0.3)
-    ref = F.scaled_dot_product_attention(q, kg, vg, attn_mask=packed_dense_mask(ctx), scale=0.3, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, kg, vg, attn_mask=dense_mask(ctx), scale=0.3, enable_gqa=True)
     real = ctx.valid[0]
     return float((ours - ref)[:, :, real].abs().max())
 
@@ -41,8 +42,9 @@ def _sinks_windows_vs_dense(ctx, rng_seed: int, window: int, *, heads: int = 4, 
     import torch
 
     from backend.model.attention import gather_cp
-    from backend.model.packed_attention import packed_dense_mask
-    from backend.model.sinks_windows import flex_kernel, sdpa_kernel, sdpa_sink_attention
+    from backend.model.attention.flex import flex_attention_kernel
+    from backend.model.attention.masks import dense_mask
+    from backend.model.attention.sdpa import sdpa_attention, sdpa_sink_attention
 
     g = torch.Generator().manual_seed(rng_seed)
     s = ctx.positions.shape[1]
@@ -52,14 +54,14 @@ def _sinks_windows_vs_dense(ctx, rng_seed: int, window: int, *, heads: int = 4, 
     sinks = torch.randn(heads, generator=g)
     kg = gather_cp(k.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
     vg = gather_cp(v.permute(2, 0, 1, 3), ctx.cp_group).permute(1, 2, 0, 3)
-    allowed = packed_dense_mask(ctx)
+    allowed = dense_mask(ctx)
     if window:
         kpos, _ = ctx.key_positions()
         allowed = allowed & (kpos[:, None, None, :] > ctx.positions[:, None, :, None] - window)
-    ref = sdpa_sink_attention(q, kg, vg, None, None, None, sinks=sinks, scale=0.3, mask=allowed)
+    ref = sdpa_sink_attention(q, kg, vg, allowed, sinks=sinks, scale=0.3)
     real = ctx.valid[0]
-    ours = sdpa_kernel(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
-    flex = flex_kernel(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
+    ours = sdpa_attention(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
+    flex = flex_attention_kernel(q, kg, vg, ctx, 0.3, window=window, sinks=sinks)
     return float((ours - ref)[:, :, real].abs().max()), float((flex - ref)[:, :, real].abs().max())
 
 

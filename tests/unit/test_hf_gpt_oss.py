@@ -7,6 +7,7 @@ import torch
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 from backend.config.hf import HFConfigError  # noqa: E402
+from backend.model.attention.layout import layer_window  # noqa: E402
 from backend.model.hf.gpt_oss import (  # noqa: E402
     GPT_OSS_20B,
     GPT_OSS_20B_PARAMETERS,
@@ -15,7 +16,6 @@ from backend.model.hf.gpt_oss import (  # noqa: E402
     gpt_oss_param_maps,
     read_expert_tensor,
 )
-from backend.model.sinks_windows import layer_window  # noqa: E402
 
 TINY = dict(
     num_hidden_layers=3,

@@ -1,7 +1,9 @@
 """The house rules, checked on the import graph: the arrows between packages run one way.
 
 batching/ is pure (no torch, no filesystem), data/ never imports the model or the trainer,
-logging/ never imports the trainer, and nothing in the library imports the benchmarks.
+logging/ never imports the trainer, and nothing in the library imports the benchmarks. No module
+of ``backend`` takes part in an import circle (imports inside functions count: a deferred import
+hides a circle, it does not remove it), and the attention package is imported one way, by kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +60,108 @@ def test_imports_run_one_way(subpackage):
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[subpackage]):
                 bad.append(f"{path.relative_to(REPO)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """backend module -> the backend modules it imports anywhere in its file (``from pkg import
+    sub`` points at the submodule when there is one, else at the package)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                out |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join([*base, node.module] if node.module else base) if node.level else node.module
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    if sub in modules:
+                        out.add(sub)
+                    elif source in modules:
+                        out.add(source)
+        graph[name] = out - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_circle_finder_finds_a_deferred_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_backend():
+    found = circles(import_graph())
+    assert not found, "import circles (deferred imports count):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+#: The attention package's floors: a file imports only files on floors below its own.
+ATTENTION_FLOORS = [("layout", "cp"), ("context",), ("masks",), ("sdpa", "flex", "te"), ("registry",), ("core",)]
+
+
+def test_attention_package_is_cut_by_kernel_one_way():
+    graph = import_graph()
+    prefix = "backend.model.attention."
+    floor = {name: i for i, names in enumerate(ATTENTION_FLOORS) for name in names}
+    on_disk = {p.stem for p in (PACKAGE / "model" / "attention").glob("*.py")} - {"__init__"}
+    assert on_disk == set(floor), f"place every attention file on a floor: {sorted(on_disk ^ set(floor))}"
+    bad = []
+    for name, level in floor.items():
+        for target in graph[prefix + name]:
+            if target == "backend.model.attention":
+                bad.append(f"{name} imports the package itself")
+            elif target.startswith(prefix) and floor[target[len(prefix) :]] >= level:
+                bad.append(f"{name} imports {target[len(prefix) :]} (same floor or above)")
+    assert not bad, bad
+    # One kernel table, one compiled FlexAttention.
+    sources = {p.name: p.read_text(encoding="utf-8") for p in (PACKAGE / "model").rglob("*.py")}
+    assert sum("torch.compile(flex_attention" in text for text in sources.values()) == 1
+    assert sum(text.count("KERNELS = {") + text.count("KERNELS: dict") for text in sources.values()) == 1
 
 
 def test_one_place_builds_models():

@@ -11,7 +11,7 @@ import torch
 from backend.batching import Microbatch, round_up, segment_lengths
 from backend.data.collate import collate, cp_shard, cp_unshard, packed_cp_index, packed_cp_unshard
 from backend.data.sample import Sample
-from backend.model.packed_attention import (
+from backend.model.attention.layout import (
     cumulative,
     gathered_to_global,
     packed_real_key_index,
@@ -112,7 +112,7 @@ def test_te_padded_cp_calls_reproduce_the_padded_mask(cp, window):
 
 def test_te_attention_arguments_for_sinks_and_windows():
     """What the te kernel asks Transformer Engine for (the calls themselves are GPU tests)."""
-    from backend.model.packed_attention import te_attention_kwargs, te_cp_comm_type
+    from backend.model.attention.te import te_attention_kwargs, te_cp_comm_type
 
     new_te = {"softmax_type", "window_size"}
     plain = te_attention_kwargs(2, 0.125, window=0, sinks=False, accepted=set())
@@ -142,7 +142,7 @@ class _ReadsOffset(torch.nn.Module):
 def test_te_lend_sinks_reads_the_current_tensor_and_keeps_one_parameter():
     """After lending, the module reads the tensor lent last (the gradient reaches it) and no longer
     owns a parameter of that name (the checkpoint holds the sinks once)."""
-    from backend.model.packed_attention import te_lend_sinks
+    from backend.model.attention.te import te_lend_sinks
 
     module = _ReadsOffset()
     first = torch.nn.Parameter(torch.ones(3))
@@ -162,7 +162,7 @@ def test_te_sinks_under_fsdp2_are_one_parameter_of_the_core_attention(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from backend.model.packed_attention import te_lend_sinks
+    from backend.model.attention.te import te_lend_sinks
 
     class Core(torch.nn.Module):
         def __init__(self):
@@ -195,7 +195,7 @@ def test_te_sinks_under_fsdp2_are_one_parameter_of_the_core_attention(tmp_path):
 def test_te_cp_sinks_scale_the_gradient_not_the_value():
     """TE's a2a CP exchange leaves every CP rank with the whole sinks gradient; the data-parallel
     sum over CP ranks must then see 1/cp of it on each (cp 4: 0.25 per element here)."""
-    from backend.model.packed_attention import te_cp_sinks
+    from backend.model.attention.te import te_cp_sinks
 
     sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
     assert te_cp_sinks(sinks, 1) is sinks
@@ -208,7 +208,7 @@ def test_te_cp_sinks_scale_the_gradient_not_the_value():
 def test_te_packed_refusal_names_the_version_dtype_and_the_way_out():
     """TE versions and dtypes that cannot run sinks/windows on packed rows are refused with the
     keys to change; the ones that can pass."""
-    from backend.model.packed_attention import te_packed_refusal
+    from backend.model.attention.te import te_packed_refusal
 
     bf16 = torch.bfloat16
     assert te_packed_refusal("2.12.0", window=128, sinks=True, cp_size=2, dtype=bf16) is None

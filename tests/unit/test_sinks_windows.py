@@ -13,12 +13,10 @@ import math
 import pytest
 import torch
 
-from backend.model.sinks_windows import (
-    allowed_mask,
-    flex_sink_attention,
-    layer_window,
-    sdpa_sink_attention,
-)
+from backend.model.attention.flex import flex_sink_attention
+from backend.model.attention.layout import layer_window
+from backend.model.attention.masks import allowed_mask, flex_block_mask
+from backend.model.attention.sdpa import sdpa_sink_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -74,7 +72,7 @@ def test_sdpa_matches_reference_with_gradients(window, with_sinks, cp_view, dtyp
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sinks.clone().requires_grad_()] if with_sinks else [])
     refs = [t.detach().clone().requires_grad_() for t in leaves]
     out = sdpa_sink_attention(
-        *leaves[:3], q_pos, k_pos, k_valid, window=window, sinks=leaves[3] if with_sinks else None, scale=scale
+        *leaves[:3], allowed_mask(q_pos, k_pos, k_valid, window), sinks=leaves[3] if with_sinks else None, scale=scale
     )
     ref = _reference(*refs[:3], q_pos, k_pos, k_valid, window, refs[3] if with_sinks else None, scale)
     g = torch.Generator().manual_seed(1)
@@ -98,9 +96,12 @@ def test_window_and_sinks_change_the_result():
     """The comparisons above have teeth: a window and sinks each move the output."""
     q, k, v, q_pos, k_pos, k_valid, sinks = _batch()
     scale = D**-0.5
-    full = sdpa_sink_attention(q, k, v, q_pos, k_pos, k_valid, scale=scale)
-    assert float((sdpa_sink_attention(q, k, v, q_pos, k_pos, k_valid, window=5, scale=scale) - full).abs().max()) > 0.1
-    sunk = sdpa_sink_attention(q, k, v, q_pos, k_pos, k_valid, sinks=sinks + 2, scale=scale)
+    full = sdpa_sink_attention(q, k, v, allowed_mask(q_pos, k_pos, k_valid), scale=scale)
+    assert (
+        float((sdpa_sink_attention(q, k, v, allowed_mask(q_pos, k_pos, k_valid, 5), scale=scale) - full).abs().max())
+        > 0.1
+    )
+    sunk = sdpa_sink_attention(q, k, v, allowed_mask(q_pos, k_pos, k_valid), sinks=sinks + 2, scale=scale)
     assert float((sunk - full).abs().max()) > 0.1
 
 
@@ -120,7 +121,7 @@ def test_padding_rows_without_keys_stay_finite():
     q, k, v, q_pos, k_pos, k_valid, sinks = _batch()
     for s in (None, sinks.clone().requires_grad_()):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = sdpa_sink_attention(*leaves, q_pos, k_pos, k_valid, window=2, sinks=s, scale=0.25)
+        out = sdpa_sink_attention(*leaves, allowed_mask(q_pos, k_pos, k_valid, 2), sinks=s, scale=0.25)
         assert float(out[2, :, 5:].abs().max()) == 0.0  # row 2 has one token; queries 5.. see nothing
         out.sum().backward()
         assert all(torch.isfinite(t.grad).all() for t in leaves)
@@ -131,8 +132,8 @@ def test_flex_forward_matches_sdpa(window, with_sinks, cp_view):
     q, k, v, q_pos, k_pos, k_valid, sinks = _batch(seed=2, cp_view=cp_view)
     sinks = sinks if with_sinks else None
     with torch.no_grad():
-        a = sdpa_sink_attention(q, k, v, q_pos, k_pos, k_valid, window=window, sinks=sinks, scale=0.2)
-        b = flex_sink_attention(q, k, v, q_pos, k_pos, k_valid, window=window, sinks=sinks, scale=0.2)
+        a = sdpa_sink_attention(q, k, v, allowed_mask(q_pos, k_pos, k_valid, window), sinks=sinks, scale=0.2)
+        b = flex_sink_attention(q, k, v, flex_block_mask(q_pos, k_pos, k_valid, window), sinks=sinks, scale=0.2)
     valid_q = torch.gather(k_valid, 1, torch.argsort(k_pos, 1)).gather(1, q_pos)  # validity of each query
     diff = float((a - b).permute(0, 2, 1, 3)[valid_q].abs().max())
     print(f"flex vs sdpa window={window} sinks={with_sinks} cp={cp_view}: {diff:.2e}")
@@ -157,8 +158,8 @@ def test_matches_transformers_gpt_oss_eager_attention():
     additive = torch.zeros(hf_allowed.shape).masked_fill(~hf_allowed, torch.finfo(torch.float32).min)
     with torch.no_grad():
         ref, _ = modeling.eager_attention_forward(module, q, k, v, additive, scaling=D**-0.5)  # [b, s, h, d]
-        ours = sdpa_sink_attention(q, k, v, q_pos, k_pos, k_valid, window=window, sinks=sinks, scale=D**-0.5)
-        flex = flex_sink_attention(q, k, v, q_pos, k_pos, k_valid, window=window, sinks=sinks, scale=D**-0.5)
+        ours = sdpa_sink_attention(q, k, v, allowed_mask(q_pos, k_pos, k_valid, window), sinks=sinks, scale=D**-0.5)
+        flex = flex_sink_attention(q, k, v, flex_block_mask(q_pos, k_pos, k_valid, window), sinks=sinks, scale=D**-0.5)
     for name, out in (("sdpa", ours), ("flex", flex)):
         diff = float((out.transpose(1, 2) - ref)[k_valid].abs().max())
         print(f"{name} vs transformers GPT-OSS eager: {diff:.2e}")

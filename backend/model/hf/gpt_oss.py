@@ -29,8 +29,8 @@ import torch
 
 from backend.config.hf import GPT_OSS_FIELDS, gpt_oss_fields  # noqa: F401  (re-exported)
 
-from .mapping import ParamMap, _copy_in, _copy_out, _qkv_maps
 from .mxfp4 import dequantize_gpt_oss_expert
+from .param_map import ParamMap, copy_in, copy_out, qkv_maps
 
 #: The stacked per-expert HF tensors (``mlp.experts.<name>``); the first two may be MXFP4 pairs.
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -76,34 +76,34 @@ def gpt_oss_param_maps(fields: dict) -> list[ParamMap]:
     (megatron-core's name for a learnable softmax offset). Expert parameters are stacked like HF's
     (``grouped_experts``); their HF tensors may be MXFP4 pairs, read with ``read_expert_tensor``.
     """
-    qkv_in, qkv_out = _qkv_maps(fields)
-    maps = [ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _copy_in, _copy_out)]
+    qkv_in, qkv_out = qkv_maps(fields)
+    maps = [ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), copy_in, copy_out)]
     for layer in range(fields["num_layers"]):
         m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         a = f"{h}self_attn."
         maps += [
-            ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), _copy_in, _copy_out),
+            ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), copy_in, copy_out),
             ParamMap(
                 m + "self_attention.linear_qkv.weight", tuple(f"{a}{p}_proj.weight" for p in "qkv"), qkv_in, qkv_out
             ),
             ParamMap(m + "self_attention.linear_qkv.bias", tuple(f"{a}{p}_proj.bias" for p in "qkv"), qkv_in, qkv_out),
-            ParamMap(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), _copy_in, _copy_out),
-            ParamMap(m + "self_attention.linear_proj.bias", (a + "o_proj.bias",), _copy_in, _copy_out),
-            ParamMap(m + "self_attention.core_attention.softmax_offset", (a + "sinks",), _copy_in, _copy_out),
-            ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), _copy_in, _copy_out),
-            ParamMap(m + "mlp.router.weight", (h + "mlp.router.weight",), _copy_in, _copy_out),
-            ParamMap(m + "mlp.router.bias", (h + "mlp.router.bias",), _copy_in, _copy_out),
+            ParamMap(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), copy_in, copy_out),
+            ParamMap(m + "self_attention.linear_proj.bias", (a + "o_proj.bias",), copy_in, copy_out),
+            ParamMap(m + "self_attention.core_attention.softmax_offset", (a + "sinks",), copy_in, copy_out),
+            ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), copy_in, copy_out),
+            ParamMap(m + "mlp.router.weight", (h + "mlp.router.weight",), copy_in, copy_out),
+            ParamMap(m + "mlp.router.bias", (h + "mlp.router.bias",), copy_in, copy_out),
         ]
         x, ours = f"{h}mlp.experts.", f"{m}mlp.experts."
         maps += [
             ParamMap(ours + "fc1_weight", (x + "gate_up_proj",), _deinterleave_in, _interleave_out),
             ParamMap(ours + "fc1_bias", (x + "gate_up_proj_bias",), _deinterleave_in, _interleave_out),
-            ParamMap(ours + "fc2_weight", (x + "down_proj",), _copy_in, _copy_out),
-            ParamMap(ours + "fc2_bias", (x + "down_proj_bias",), _copy_in, _copy_out),
+            ParamMap(ours + "fc2_weight", (x + "down_proj",), copy_in, copy_out),
+            ParamMap(ours + "fc2_bias", (x + "down_proj_bias",), copy_in, copy_out),
         ]
-    maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), _copy_in, _copy_out))
+    maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), copy_in, copy_out))
     if not fields["tie_embeddings"]:
-        maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), _copy_in, _copy_out))
+        maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), copy_in, copy_out))
     return maps
 
 

@@ -26,62 +26,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
+
+from .gpt_oss import gpt_oss_param_maps
+from .param_map import ParamMap, copy_in, copy_out, qkv_maps
 
 #: HF tensors that may sit in a checkpoint without being weights we load (buffers some
 #: exporters save). Matched with ``re.fullmatch``.
 IGNORABLE_HF_PATTERNS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq")
-
-
-@dataclass(frozen=True)
-class ParamMap:
-    """One megatron-core parameter and the HF tensors it is built from (in ``hf`` order)."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    to_megatron: Callable[[Sequence[torch.Tensor]], torch.Tensor]
-    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
-
-    @property
-    def is_copy(self) -> bool:
-        """One HF tensor, unchanged: a loader may read just the rows its shard needs."""
-        return self.to_megatron is _copy_in
-
-
-def _copy_in(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return ts[0]
-
-
-def _copy_out(t: torch.Tensor) -> list[torch.Tensor]:
-    return [t]
-
-
-def _qkv_maps(fields: dict) -> tuple[Callable, Callable]:
-    n, g, h = fields["num_attention_heads"], fields["num_query_groups"], fields["head_dim"]
-    per = n // g
-
-    def to_megatron(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-        q, k, v = ts
-        rest = q.shape[1:]
-        for what, t, rows in (("q", q, n * h), ("k", k, g * h), ("v", v, g * h)):
-            if t.shape[0] != rows or t.shape[1:] != rest:
-                raise ValueError(
-                    f"{what}_proj has shape {tuple(t.shape)}, expected ({rows}, {', '.join(map(str, rest))})"
-                )
-        grouped = torch.cat([q.reshape(g, per, h, *rest), k.reshape(g, 1, h, *rest), v.reshape(g, 1, h, *rest)], dim=1)
-        return grouped.reshape((n + 2 * g) * h, *rest)
-
-    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
-        if t.shape[0] != (n + 2 * g) * h:
-            raise ValueError(f"linear_qkv has {t.shape[0]} rows, expected (n + 2g) * h = {(n + 2 * g) * h}")
-        rest = t.shape[1:]
-        grouped = t.reshape(g, per + 2, h, *rest)
-        q, k, v = grouped.split([per, 1, 1], dim=1)
-        return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
-
-    return to_megatron, to_hf
 
 
 def _fc1_in(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -98,20 +51,20 @@ def _fc1_out(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _layer_entries(fields: dict) -> list[tuple[str, tuple[str, ...], Callable, Callable]]:
     """(megatron suffix, HF suffixes, to_megatron, to_hf) for one decoder layer."""
-    qkv_in, qkv_out = _qkv_maps(fields)
+    qkv_in, qkv_out = qkv_maps(fields)
     attn = "self_attn."
     entries = [
-        ("input_layernorm.weight", ("input_layernorm.weight",), _copy_in, _copy_out),
+        ("input_layernorm.weight", ("input_layernorm.weight",), copy_in, copy_out),
         (
             "self_attention.linear_qkv.weight",
             tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
             qkv_in,
             qkv_out,
         ),
-        ("self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), _copy_in, _copy_out),
-        ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), _copy_in, _copy_out),
+        ("self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), copy_in, copy_out),
+        ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), copy_in, copy_out),
         ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), _fc1_in, _fc1_out),
-        ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), _copy_in, _copy_out),
+        ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), copy_in, copy_out),
     ]
     if fields["qkv_bias"]:
         entries.insert(
@@ -119,19 +72,19 @@ def _layer_entries(fields: dict) -> list[tuple[str, tuple[str, ...], Callable, C
         )
     if fields["qk_layernorm"]:
         entries += [
-            ("self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), _copy_in, _copy_out),
-            ("self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), _copy_in, _copy_out),
+            ("self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), copy_in, copy_out),
+            ("self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), copy_in, copy_out),
         ]
     return entries
 
 
 def _top_entries(fields: dict) -> list[tuple[str, tuple[str, ...], Callable, Callable]]:
     entries = [
-        ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _copy_in, _copy_out),
-        ("decoder.final_layernorm.weight", ("model.norm.weight",), _copy_in, _copy_out),
+        ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), copy_in, copy_out),
+        ("decoder.final_layernorm.weight", ("model.norm.weight",), copy_in, copy_out),
     ]
     if not fields["tie_embeddings"]:
-        entries.append(("output_layer.weight", ("lm_head.weight",), _copy_in, _copy_out))
+        entries.append(("output_layer.weight", ("lm_head.weight",), copy_in, copy_out))
     return entries
 
 
@@ -142,8 +95,6 @@ def hf_to_megatron_names(fields: dict) -> list[ParamMap]:
     reads ``pm.hf`` (e.g. with ``safetensors_io.HFCheckpoint.get``) and calls ``pm.to_megatron``.
     """
     if fields.get("model_type") == "gpt_oss":
-        from .gpt_oss import gpt_oss_param_maps
-
         return gpt_oss_param_maps(fields)
     top = {m: (h, i, o) for m, h, i, o in _top_entries(fields)}
     maps = [ParamMap("embedding.word_embeddings.weight", *top.pop("embedding.word_embeddings.weight"))]
