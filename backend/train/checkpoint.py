@@ -2,8 +2,10 @@
 data-stream, RNG and run metadata. Written atomically: everything goes to a hidden temporary
 directory that is renamed into place only when complete, so a kill at any moment leaves either
 the previous complete checkpoint or the new one, never half of one. Loading never unpickles:
-DCP for tensors (its pickled ``.metadata`` through a restricted unpickler, see ``safe_dcp``), JSON
-for metadata, ``torch.load(weights_only=True)`` for RNG states.
+DCP for tensors (its pickled ``.metadata`` through a restricted, bounded unpickler, see
+``safe_dcp``), validated JSON for metadata (``checkpoint_meta``), checked archives for RNG states;
+no file is followed through a symlink and a step directory that is a symlink is skipped
+(``checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -27,12 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backend.errors import CheckpointError
 
+from .checkpoint_files import check_step_dir, load_rng_file
+from .checkpoint_meta import META, STEP_DIR, read_meta, restore_scheduler
 from .safe_dcp import safe_load
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-META = "meta.json"
+__all__ = ["META", "ResumeError", "complete_checkpoints", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 
 class ResumeError(CheckpointError):
@@ -44,14 +46,22 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / META).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    found = []
+    for p in root.iterdir():
+        if not STEP_DIR.match(p.name):
+            continue
+        if p.is_symlink():
+            log.warning("%s: skipping a checkpoint step directory that is a symbolic link", p)
+        elif p.is_dir() and os.path.lexists(p / META):  # a bad meta.json is reported, not passed over
+            found.append(p)
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def resolve_step_dir(path: str | Path) -> Path:
     """A checkpoint given as a step_* directory, or as a checkpoint directory (its newest complete one)."""
     path = Path(path)
-    if (path / ".metadata").is_file():
+    if os.path.lexists(path / ".metadata"):
+        check_step_dir(path)
         return path
     found = complete_checkpoints(path)
     if not found:
@@ -62,6 +72,7 @@ def resolve_step_dir(path: str | Path) -> Path:
 def load_model_weights(model, step_dir: str | Path) -> None:
     """Only the model's weights from one of our checkpoints, pickle-free (``safe_load``); the
     optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
+    check_step_dir(step_dir)
     state = {"model": get_model_state_dict(model)}
     safe_load(state, step_dir)
     set_model_state_dict(model, state["model"])
@@ -104,27 +115,13 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
     return final
 
 
-def read_meta(path: str | Path) -> dict:
-    """A checkpoint's meta.json, or a CheckpointError naming the file."""
-    file = Path(path) / META
-    try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{file}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
-    missing = [
-        k for k in ("step", "scheduler", "dp_size", "cp_size", "data") if not isinstance(meta, dict) or k not in meta
-    ]
-    if missing:
-        raise CheckpointError(f"{file}: checkpoint metadata lacks {', '.join(missing)}")
-    return meta
-
-
 def load_checkpoint(
     path: str | Path, model, optimizer, scheduler, *, env, allow_dp_change: bool, meta: dict | None = None
 ) -> dict:
     """Restore in place; returns the metadata (step, data state, ...). Never unpickles: DCP through
     the restricted reader (``safe_dcp``), JSON, and ``torch.load(weights_only=True)``."""
     path = Path(path)
+    check_step_dir(path)
     meta = read_meta(path) if meta is None else meta
     if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not allow_dp_change):
         raise ResumeError(
@@ -137,10 +134,10 @@ def load_checkpoint(
     state = {"model": model_sd, "optim": optim_sd}
     safe_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(meta["scheduler"])
+    restore_scheduler(scheduler, meta["scheduler"], path / META)
     rng_file = path / f"rng_rank{env.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+    if os.path.lexists(rng_file):
+        rng = load_rng_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and env.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], env.device)

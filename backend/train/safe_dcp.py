@@ -18,14 +18,30 @@ Where torch 2.13's DCP load path unpickles what is on disk (``torch/distributed/
   coordinator broadcasts the metadata it read (here: safely) to the others as a pickle, which is
   peer-to-peer, not from disk.
 
-``safe_load(state, path)`` is ``dcp.load`` with both guards.
+Beyond code, a crafted checkpoint can hang or exhaust the process, or read files outside its
+directory (``checkpoint_files``, ``bounded_pickle``). Here, too:
+
+- ``.metadata`` is read by ``bounded_pickle`` (no shared containers, bounded depth and object
+  count; at most ``MAX_METADATA_BYTES``), and every file of the checkpoint is opened only if it is
+  a regular file and not a symlink (a FIFO would block ``open`` forever). Each declared
+  ``offset + length`` must lie within its file, and no entry may declare stream transforms
+  (compression), which we never write.
+- Each tensor entry's ``torch.save`` archive must store its members uncompressed and its
+  ``data.pkl`` passes the bounded scan before ``torch.load(weights_only=True)``, which runs with
+  torch's own allowlist only (never globals other packages added). Non-tensor entries load as plain
+  data (numbers, strings, lists, dicts, tuples) with no global at all.
+- ``check_entries``: every entry this run loads exists, is of the kind (tensor or bytes) of the
+  value it fills, and every ``_extra_state`` is empty (a tensor of no elements, or None): Transformer
+  Engine's ``set_extra_state`` runs ``pickle.loads`` on a non-empty one.
+
+``safe_load(state, path)`` is ``dcp.load`` with all of these guards.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
-import pickle
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -34,10 +50,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from backend.errors import CheckpointError
+
+from .bounded_pickle import UnreadablePickleError, UnsafeCheckpointError, bounded_loads, is_flat_tuple
+from .checkpoint_files import (
+    MAX_PLAIN_ENTRY_BYTES,
+    load_plain_archive,
+    only_torch_safe_globals,
+    open_regular,
+    read_regular,
+    read_slice,
+    scan_archive,
+)
+
+#: The largest ``.metadata`` read (31 KB for the quickstart, about 2 MB for a 4B model at DP 8).
+MAX_METADATA_BYTES = 256 << 20
 
 # (module, name) pairs a DCP .metadata may name. Everything else is refused.
 _METADATA_CLASSES = {
@@ -67,49 +97,74 @@ _ALLOWED_GLOBALS = _METADATA_CLASSES | {
 }
 
 
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file that would need more than DCP's own classes to load."""
-
-
 class CheckpointLayoutError(CheckpointError):
     """A readable checkpoint whose entries are not the ones this run loads (another model or
     parameter layout): resuming stops here rather than falling back to an older checkpoint."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: str):
-        super().__init__(file)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or _is_dtype(module, name):
-            return super().find_class(module, name)
-        raise UnsafeCheckpointError(
-            f"{self._path}: refusing to load the checkpoint: its metadata names the global {module}.{name}, which "
-            f"torch.distributed.checkpoint never writes (a tampered or foreign file; it could run code). Load "
-            f"checkpoints only from sources you trust, or point checkpoint.dir elsewhere"
-        )
-
-    def persistent_load(self, pid):
-        raise UnsafeCheckpointError(f"{self._path}: refusing a persistent id in checkpoint metadata")
 
 
 def _is_dtype(module: str, name: str) -> bool:
     return module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
 
 
+def _metadata_global(module: str, name: str) -> bool:
+    return (module, name) in _ALLOWED_GLOBALS or _is_dtype(module, name)
+
+
+def _metadata_key(key: Any) -> bool:
+    """``storage_data``'s keys: a ``MetadataIndex`` of plain fields (checked before it is hashed)."""
+    return (
+        type(key) is dcp_metadata.MetadataIndex
+        and isinstance(key.fqn, str)
+        and (key.offset is None or is_flat_tuple(key.offset, 64))
+        and (key.index is None or type(key.index) is int)
+    )
+
+
+def _plain_tensor_entry(entry: dcp_metadata.TensorStorageMetadata) -> bool:
+    def ints(t) -> bool:
+        return is_flat_tuple(t, 64) and len(t) == len(entry.size) and all(type(n) is int and n >= 0 for n in t)
+
+    return (
+        ints(entry.size)
+        and type(entry.properties) is dcp_metadata.TensorProperties
+        and isinstance(entry.properties.dtype, torch.dtype)
+        and isinstance(entry.chunks, list)
+        and all(
+            type(c) is dcp_metadata.ChunkStorageMetadata and ints(c.offsets) and ints(c.sizes) for c in entry.chunks
+        )
+    )
+
+
+def _describe(value: Any) -> str:
+    """A loaded value for an error message, from its type and size (never its repr: a crafted
+    object's repr can be arbitrarily large)."""
+    if isinstance(value, str):
+        return repr(value[:80]) + (f"... ({len(value):,} characters)" if len(value) > 80 else "")
+    if isinstance(value, int | float | bool | type(None)):
+        return (
+            repr(value) if not isinstance(value, int) or abs(value) < 10**18 else f"an int of {value.bit_length()} bits"
+        )
+    size = f" of {len(value):,}" if isinstance(value, list | tuple | dict | str | bytes) else ""
+    return f"a {type(value).__name__}{size}"
+
+
 def read_metadata_file(path: str | os.PathLike) -> dcp_metadata.Metadata:
-    """Unpickle a DCP ``.metadata`` file with DCP's classes only, then check its shape."""
+    """A DCP ``.metadata`` file through ``bounded_pickle`` with DCP's classes only, then checked
+    for shape."""
     path = str(path)
+    data = read_regular(path, MAX_METADATA_BYTES)
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f, path).load()
-    except UnsafeCheckpointError:
-        raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file: not a complete distributed checkpoint (checkpoint.dir)") from None
-    except Exception as e:  # truncated or corrupt pickle: UnpicklingError, EOFError, ValueError, TypeError...
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+        md = bounded_loads(
+            data,
+            where=path,
+            what="the checkpoint metadata",
+            allow=_metadata_global,
+            key_ok=_metadata_key,
+            max_objects=max(1_000_000, len(data) // 8),
+        )
+    except UnreadablePickleError as e:
+        reason = str(e).rsplit("(", 1)[-1].rstrip(")")
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({reason})") from None
     _check_metadata(md, path)
     return md
 
@@ -126,43 +181,53 @@ def _check_metadata(md: Any, path: str) -> None:
         if not isinstance(key, str) or not isinstance(
             value, dcp_metadata.TensorStorageMetadata | dcp_metadata.BytesStorageMetadata
         ):
-            raise bad(f"entry {key!r} is not tensor or bytes storage metadata")
+            raise bad(f"entry {_describe(key)} is not tensor or bytes storage metadata")
+        if isinstance(value, dcp_metadata.TensorStorageMetadata) and not _plain_tensor_entry(value):
+            raise bad(f"entry {_describe(key)} has a size, dtype or chunk list that is not plain numbers")
     if not isinstance(md.storage_data, dict):
         raise bad("storage_data is not a dict (not written by FileSystemWriter)")
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_metadata.MetadataIndex) or type(info) is not _StorageInfo:
-            raise bad(f"storage entry {index!r} is not a MetadataIndex -> _StorageInfo pair")
+            raise bad(f"storage entry {_describe(index)} is not a MetadataIndex -> _StorageInfo pair")
         rel = info.relative_path
         # FileSystemWriter writes flat file names (__0_0.distcp) into the checkpoint directory.
         if not isinstance(rel, str) or rel in ("", ".", "..") or PurePath(rel).name != rel or "\\" in rel:
-            raise bad(f"entry {index.fqn!r} points outside the checkpoint directory ({rel!r})")
+            raise bad(f"entry {_describe(index.fqn)} points outside the checkpoint directory ({_describe(rel)})")
         for field in ("offset", "length"):
             value = getattr(info, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise bad(f"entry {index.fqn!r} has {field}={value!r}")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not all(isinstance(d, str) for d in descriptors):
-            raise bad(f"entry {index.fqn!r} has non-string transform descriptors")
+                raise bad(f"entry {_describe(index.fqn)} has {field}={_describe(value)}")
+        if getattr(info, "transform_descriptors", None):  # e.g. a decompressor: never written by us
+            raise bad(f"entry {_describe(index.fqn)} declares stream transforms (compression), which we never write")
 
 
-def _load_bytes_safely(value: io.BytesIO, where: str) -> Any:
-    try:
-        return torch.load(value, map_location="cpu", weights_only=True)
-    except Exception as e:
-        # torch's message opens with advice to retry with weights_only=False; keep the line that
-        # says what was refused ("Trying to load unsupported GLOBAL posix.system ...").
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        first = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(e).__name__)
+def _load_bytes_safely(value: io.BytesIO, where: str, fqn: str) -> Any:
+    """A non-tensor entry as plain data (no global admitted); an ``_extra_state`` must be None."""
+    data = value.getvalue()
+    if len(data) > MAX_PLAIN_ENTRY_BYTES:
         raise UnsafeCheckpointError(
-            f"{where}: refusing a non-tensor checkpoint entry that needs more than plain data to load ({first})"
-        ) from None
+            f"{where}: a non-tensor entry of {len(data):,} bytes (at most {MAX_PLAIN_ENTRY_BYTES:,})"
+        )
+    try:
+        obj = load_plain_archive(
+            data, where, what="a non-tensor checkpoint entry that needs more than plain data to load"
+        )
+    except UnreadablePickleError as e:
+        raise CheckpointError(str(e)) from None
+    if fqn.endswith("_extra_state") and obj is not None:
+        raise UnsafeCheckpointError(
+            f"{where}: refusing a non-empty _extra_state ({_describe(obj)}): modules such as Transformer Engine's "
+            f"unpickle it; this backend writes none"
+        )
+    return obj
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor entries load with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.load_object(read_item, _load_bytes_safely(value, read_item.dest_index.fqn))
+        fqn = read_item.dest_index.fqn
+        self.load_object(read_item, _load_bytes_safely(value, fqn, fqn))
 
     def load_object(self, read_item: ReadItem, obj: Any) -> None:
         # DefaultLoadPlanner.load_bytes, after its torch.load(value, weights_only=False).
@@ -187,7 +252,7 @@ class _SafeBytesPlanner:
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         info = self._reader.storage_data[read_item.storage_index]
         where = f"{Path(self._reader.path) / info.relative_path} ({read_item.dest_index.fqn})"
-        obj = _load_bytes_safely(value, where)
+        obj = _load_bytes_safely(value, where, read_item.dest_index.fqn)
         if isinstance(self._inner, SafeLoadPlanner):
             self._inner.load_object(read_item, obj)
             return
@@ -199,12 +264,62 @@ class _SafeBytesPlanner:
         self._inner.load_bytes(read_item, buf)
 
 
+#: What a ``torch.save`` archive adds to a tensor's bytes (zip headers, data.pkl, alignment).
+_ARCHIVE_SLACK = 1 << 20
+
+
+def _chunk_bytes(metadata: dcp_metadata.Metadata, index: dcp_metadata.MetadataIndex, where: str) -> int:
+    """The bytes of the stored tensor chunk ``index`` names, from the metadata's size and dtype."""
+    entry = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+        raise UnsafeCheckpointError(f"{where}: a tensor read of an entry not stored as a tensor")
+    itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+    for chunk in entry.chunks:
+        if tuple(chunk.offsets) == tuple(index.offset or ()):
+            return math.prod(chunk.sizes) * itemsize
+    raise UnsafeCheckpointError(f"{where}: no stored chunk at this offset")
+
+
+class _RegularFilesOnly(FileSystem):
+    """DCP's local file system, opening for reading only regular files that are not symlinks."""
+
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if mode != "rb":
+            raise ValueError(f"{path}: a checkpoint is only read here (mode {mode!r})")
+        return open_regular(path)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` that runs no code from the checkpoint (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any):
         super().__init__(path, *args, **kwargs)
+        self.fs = _RegularFilesOnly()
         self._checked: dict[str, dcp_metadata.Metadata] = {}  # metadata path -> checked metadata
+
+    def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def _check_lengths(self, plan: LoadPlan) -> None:
+        """No entry may make us read more than its value can need: a tensor chunk's bytes (from its
+        declared size and dtype) plus the archive's own few KB, or ``MAX_PLAIN_ENTRY_BYTES``. A
+        declared 4 GiB on a sparse file is refused before a byte is read."""
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            where = f"{Path(self.path) / info.relative_path} ({item.storage_index.fqn})"
+            limit = MAX_PLAIN_ENTRY_BYTES
+            if item.type != LoadItemType.BYTE_IO:
+                limit = _ARCHIVE_SLACK + _chunk_bytes(self._metadata, item.storage_index, where)
+            if info.length > limit:
+                raise UnsafeCheckpointError(f"{where}: the entry declares {info.length:,} bytes, more than {limit:,}")
+
+    def _slice_file(self, file, sinfo: _StorageInfo) -> io.BytesIO:
+        """The entry's bytes, within its file, as a checked ``torch.save`` archive."""
+        where = str(Path(self.path) / sinfo.relative_path)
+        data = read_slice(file, sinfo.offset, sinfo.length, where)
+        scan_archive(data, where)
+        return io.BytesIO(data)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -221,9 +336,11 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        self._check_lengths(plan)
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
             planner = _SafeBytesPlanner(planner, self)
-        return super().read_data(plan, planner)
+        with only_torch_safe_globals():
+            return super().read_data(plan, planner)
 
 
 def _user_error_inside(exc: CheckpointException) -> CheckpointError | None:
@@ -245,6 +362,7 @@ def check_entries(state: dict, metadata: dcp_metadata.Metadata, path) -> None:
     wanted, _ = flatten_state_dict(state)
     missing = sorted(k for k in wanted if k not in metadata.state_dict_metadata)
     if not missing:
+        _check_kinds(wanted, metadata, path)
         return
     extra = sorted(k for k in metadata.state_dict_metadata if k not in wanted)
     raise CheckpointLayoutError(
@@ -253,6 +371,24 @@ def check_entries(state: dict, metadata: dcp_metadata.Metadata, path) -> None:
         + (f"; it holds {len(extra)} this run does not (e.g. {', '.join(extra[:3])})" if extra else "")
         + ": it was saved for another model or parameter layout than the configured one"
     )
+
+
+def _check_kinds(wanted: dict, metadata: dcp_metadata.Metadata, path) -> None:
+    """Each entry fills a value of its own kind (a tensor from tensor storage, anything else from
+    bytes), and an ``_extra_state`` stored as a tensor holds no elements."""
+    for key, value in wanted.items():
+        stored = metadata.state_dict_metadata[key]
+        is_tensor = isinstance(stored, dcp_metadata.TensorStorageMetadata)
+        if is_tensor != isinstance(value, torch.Tensor):
+            raise UnsafeCheckpointError(
+                f"{path}: refusing entry {key}: stored as {'a tensor' if is_tensor else 'bytes'}, but this run "
+                f"loads {'a tensor' if isinstance(value, torch.Tensor) else 'a non-tensor value'} there"
+            )
+        if is_tensor and key.endswith("_extra_state") and math.prod(stored.size) > 0:
+            raise UnsafeCheckpointError(
+                f"{path}: refusing a non-empty _extra_state tensor ({key}, size {list(stored.size)}): modules such "
+                f"as Transformer Engine's unpickle it; this backend writes none"
+            )
 
 
 def safe_load(state: dict, path: str | os.PathLike, *, planner: LoadPlanner | None = None, process_group=None) -> None:
