@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""Turn a JSONL file into a Megatron .bin/.idx data set (plus loss mask / weight siblings).
+"""Turn a JSONL file, a Parquet file or an Arrow directory into a Megatron .bin/.idx data set
+(plus loss mask / weight siblings).
 
     python tools/preprocess_data.py --input data.jsonl --output-prefix data/train --tokenizer byte
+    python tools/preprocess_data.py --input shards/ --output-prefix data/train --tokenizer byte
+
+--input may be a .jsonl file, a .parquet file, a directory of .parquet shards or a directory
+written by datasets' save_to_disk; the rows are read one record batch at a time and written as
+they come, so an input larger than memory converts.
 
 Each line holds "text" (or --json-key) or "input_ids", and optionally per-token "loss_mask" and
 "loss_weight"; or "messages" (role/content), rendered with the chat template of
@@ -9,8 +15,8 @@ Each line holds "text" (or --json-key) or "input_ids", and optionally per-token 
 
     python tools/preprocess_data.py --input chat.jsonl --output-prefix data/chat --tokenizer checkpoints/Qwen3-4B
 
-A malformed line (or a role or template that fails) stops the run with its file and line number;
-nothing is written.
+A malformed line or row (or a role or template that fails) stops the run with its file and line
+or row number; nothing is written.
 
 --append-eod (Megatron's) ends every document with the tokenizer's end-of-document id, a target
 of the loss like any other token (its mask and weight repeat the document's last token's). For
@@ -28,16 +34,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend.data.arrow_rows import arrow_rows, is_arrow_source  # noqa: E402
 from backend.data.chat import LazyChatRenderer, chat_template_dir  # noqa: E402
 from backend.data.errors import DataError  # noqa: E402
 from backend.data.indexed import write_indexed  # noqa: E402
-from backend.data.jsonl import read_jsonl  # noqa: E402
+from backend.data.jsonl import RowParser, jsonl_rows  # noqa: E402
 from backend.data.tokenizers import build_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="JSONL file")
+    p.add_argument(
+        "--input", required=True, help="a .jsonl or .parquet file, or a directory of Parquet shards or save_to_disk"
+    )
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a HF tokenizer directory")
     p.add_argument("--chat-template-dir", help="HF tokenizer directory whose chat template renders 'messages' rows")
@@ -48,18 +57,24 @@ def main(argv: list[str] | None = None) -> int:
         help="end every document with the tokenizer's end-of-document id (byte: 256); train with data.append_eod=true",
     )
     args = p.parse_args(argv)
+    tokens = 0
     try:
         tokenizer = build_tokenizer(args.tokenizer, eod=args.append_eod)
         chat = LazyChatRenderer(args.chat_template_dir or chat_template_dir(args.tokenizer))
-        samples = list(read_jsonl(args.input, tokenizer, args.json_key, chat=chat, append_eod=args.append_eod))
+        parse = RowParser(tokenizer, args.json_key, chat, append_eod=args.append_eod)
+        rows = arrow_rows(args.input) if is_arrow_source(args.input) else jsonl_rows(args.input)
+
+        def samples():
+            nonlocal tokens
+            for where, row in rows:
+                for sample in parse(row, where):
+                    tokens += len(sample.tokens)
+                    yield sample
+
+        count = write_indexed(args.output_prefix, samples(), tokenizer.vocab_size, empty_ok=False, source=args.input)
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if not samples:
-        print(f"error: {args.input}: no samples (the file is empty or blank)", file=sys.stderr)
-        return 1
-    count = write_indexed(args.output_prefix, samples, tokenizer.vocab_size)
-    tokens = sum(len(s.tokens) for s in samples)
     eod = f" (each ending in end-of-document id {tokenizer.eod_id})" if args.append_eod else ""
     print(f"wrote {count} samples, {tokens} tokens{eod} to {args.output_prefix}.bin/.idx")
     return 0

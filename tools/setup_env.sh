@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
-EXTRAS="${EXTRAS:-dev}"
+EXTRAS="${EXTRAS:-dev,testdata}"
 
 stamp_file="$VENV/.setup_env.stamp"
 stamp="$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16) $TORCH_PIN $EXTRAS"

@@ -1,17 +1,21 @@
-"""From ``data`` config to a dataset: embedded, JSONL or .bin/.idx, length-limited."""
+"""From ``data`` config to a dataset: embedded, JSONL, Parquet / Arrow or .bin/.idx, length-limited."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from .arrow_rows import arrow_files, arrow_rows, is_arrow_source
 from .chat import LazyChatRenderer, chat_template_dir
 from .embedded import build_embedded, cut_report
 from .errors import DataError, DataFileError, DataNotFoundError
-from .indexed import IndexedTokenDataset, indexed_exists, token_dtype
-from .jsonl import InMemoryDataset, read_jsonl
+from .indexed import IndexedTokenDataset, indexed_exists, token_dtype, write_indexed
+from .jsonl import InMemoryDataset, RowParser, read_jsonl
 from .overlong import LengthLimitedDataset
 from .row_fields import RowFields
 from .tokenizers import build_tokenizer
@@ -57,12 +61,15 @@ def build_dataset(data_cfg, fields: RowFields = CROSS_ENTROPY) -> tuple[LengthLi
         if not samples:
             raise DataFileError(f"{path}: no samples (the file is empty or blank); point data.path at a data file")
         base = InMemoryDataset(samples, source=path, ignored_fields=ignored)
+    elif is_arrow_source(path):
+        base = arrow_dataset(data_cfg, tokenizer, fields)
     elif indexed_exists(path):
         base = IndexedTokenDataset(path, fields)
         check_indexed_vocabulary(base, tokenizer, data_cfg.tokenizer)
     else:
         raise DataNotFoundError(
-            f"data.path={path!r}: expected 'embedded', a .jsonl file, or the prefix of a .bin/.idx pair"
+            f"data.path={path!r}: expected 'embedded', a .jsonl file, a .parquet file, a directory of .parquet "
+            f"shards or of datasets' save_to_disk, or the prefix of a .bin/.idx pair"
         )
     return LengthLimitedDataset(base, data_cfg.max_seq_length, data_cfg.overlong), tokenizer
 
@@ -92,3 +99,65 @@ def check_indexed_vocabulary(base: IndexedTokenDataset, tokenizer, spec: str, pr
                     f"{eod}, but data.append_eod=true: write the set with tools/preprocess_data.py --append-eod "
                     f"(or set data.append_eod=false)"
                 )
+
+
+def arrow_dataset(data_cfg, tokenizer, fields: RowFields) -> IndexedTokenDataset:
+    """A Parquet / Arrow source as a memory-mapped ``.bin/.idx`` in ``data.cache_dir``.
+
+    The rows stream through the JSONL rules (``RowParser``) into ``write_indexed`` one record batch
+    at a time, so a source larger than memory trains; the cache is keyed by the files (path, size,
+    modification time), the tokenizer, the chat template and every option that changes a sample,
+    and is reused by later runs and by every rank (each writes under its own temporary name and
+    renames; the marker file comes last)."""
+    path = data_cfg.path
+    files = arrow_files(path)
+    template_dir = chat_template_dir(data_cfg.tokenizer)
+    key = {
+        "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "tokenizer": data_cfg.tokenizer,
+        "template": _template_stamp(template_dir),
+        "json_key": data_cfg.json_key,
+        "append_eod": bool(getattr(data_cfg, "append_eod", False)),
+        "fields": [sorted(fields.read), sorted(fields.required), sorted(fields.refuse)],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    prefix = Path(data_cfg.cache_dir) / f"arrow_{Path(path).stem}_{digest}"
+    marker = Path(f"{prefix}.json")
+    if not (marker.is_file() and indexed_exists(prefix)):
+        ignored: Counter = Counter()
+        parse = RowParser(
+            tokenizer,
+            data_cfg.json_key,
+            LazyChatRenderer(template_dir),
+            append_eod=key["append_eod"],
+            fields=fields,
+            ignored=ignored,
+        )
+        rows = Counter()
+
+        def samples():
+            for where, row in arrow_rows(path):
+                rows["rows"] += 1
+                yield from parse(row, where)
+
+        count = write_indexed(prefix, samples(), tokenizer.vocab_size)
+        if not count:
+            raise DataFileError(f"{path}: no rows; point data.path at a data file")
+        tmp = marker.with_suffix(f".json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"source": str(path), "rows": rows["rows"], "samples": count, "ignored": ignored}))
+        os.replace(tmp, marker)
+    info = json.loads(marker.read_text())
+    base = IndexedTokenDataset(prefix, fields)
+    base.source = str(path)
+    base.ignored_fields = dict(info["ignored"])
+    if info["samples"] != info["rows"]:
+        base.note = f"{info['rows']:,} rows as {info['samples']:,} samples: one per assistant turn where the chat template rewrites earlier turns"
+    return base
+
+
+def _template_stamp(template_dir: Path | None) -> list:
+    """What identifies a chat template on disk (the files it may come from, by size and time)."""
+    if template_dir is None:
+        return []
+    files = [template_dir / "chat_template.jinja", template_dir / "tokenizer_config.json"]
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]

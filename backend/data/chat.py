@@ -17,10 +17,17 @@ Which tokens are the assistant's:
   ``messages[:k+1]`` is where it ends (so the end-of-turn marker, e.g. ``<|im_end|>``, is trained
   and the role header is not). The spans are compared in characters, not token prefixes, because
   BPE may merge across a turn boundary; each token overlapping a span is masked in, which is the
-  rule transformers applies to generation blocks (both paths give the same mask, tested). This
-  needs a prefix-stable template: one that renders earlier turns identically whatever follows.
-  Templates that rewrite history (Qwen3's strips ``<think>`` from earlier assistant turns) fail
-  that check with an error: add generation blocks to such a template.
+  rule transformers applies to generation blocks (both paths give the same mask, tested).
+- Templates that rewrite earlier turns (Qwen3's drops the reasoning of assistant turns before the
+  last user message; others add or move a system preamble) are used as released. Each assistant
+  turn is trained exactly as the model produces it at that point of the conversation: the prompt
+  is ``messages[:k]`` rendered with the generation prompt, the target the turn's new tokens and
+  its end-of-turn marker as rendered for ``messages[:k+1]``. When the template renders the whole
+  conversation with every earlier turn unchanged (prefix-stable), all turns share one sample; when
+  it does not, the conversation becomes one sample per assistant turn (``render_turns``), so no
+  turn is trained in a form the model never sees at inference (Qwen3's reasoning is trained on
+  the turn that carries it, and earlier turns appear in later prompts as the template shows them).
+  The cost is the prompt repeated per turn; the start-up summary counts the samples.
 
 Every error names the JSONL file and line, or the template file and line.
 """
@@ -104,7 +111,18 @@ class ChatRenderer:
             ) from None
 
     def render(self, messages, where: str = "messages") -> tuple[list[int], list[int]]:
-        """(token ids, loss mask) for one conversation; ``where`` prefixes errors (FILE:LINE)."""
+        """(token ids, loss mask) of a conversation that renders as one sample (see ``render_turns``)."""
+        turns = self.render_turns(messages, where)
+        if len(turns) != 1:
+            raise ChatTemplateError(
+                f"{where}: the chat template ({self.template_source}) rewrites earlier turns, so this conversation "
+                f"is {len(turns)} samples, one per assistant turn (render_turns)"
+            )
+        return turns[0]
+
+    def render_turns(self, messages, where: str = "messages") -> list[tuple[list[int], list[int]]]:
+        """[(token ids, loss mask)]: one sample, or one per assistant turn when the template rewrites
+        earlier turns (module docstring); ``where`` prefixes errors (FILE:LINE or FILE: row N)."""
         _check_messages(messages, where)
         if self.uses_generation_blocks:
             try:
@@ -115,29 +133,35 @@ class ChatRenderer:
                 raise ChatTemplateError(
                     f"{where}: chat template ({self.template_source}) failed: {type(e).__name__}: {e}"
                 ) from None
-            ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+            turns = [(list(out["input_ids"]), [int(m) for m in out["assistant_masks"]])]
         else:
-            ids, mask = self._render_by_prefixes(messages, where)
-        if not any(mask):
+            turns = self._render_by_prefixes(messages, where)
+        if not any(any(mask) for _, mask in turns):
             raise DataFormatError(f"{where}: the conversation has no assistant tokens to train on")
-        return ids, mask
+        return turns
 
-    def _render_by_prefixes(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+    def _render_by_prefixes(self, messages: list[dict], where: str) -> list[tuple[list[int], list[int]]]:
         full = self._render(messages, where)
-        spans = []
+        turns = []  # (text the turn is the last of, its span there)
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             start = self._render(messages[:k], where, add_generation_prompt=True) if k else ""
             end = self._render(messages[: k + 1], where)
-            if not (end.startswith(start) and full.startswith(end)):
+            if not end.startswith(start):
                 raise ChatTemplateError(
-                    f"{where}: message {k}: the chat template ({self.template_source}) is not prefix-stable "
-                    "(it renders earlier turns differently when later turns follow), so assistant tokens "
-                    "cannot be located; add {% generation %} ... {% endgeneration %} around assistant content"
+                    f"{where}: message {k}: the chat template ({self.template_source}) renders the conversation up "
+                    "to this assistant turn without the prompt it renders for generating it, so the turn cannot be "
+                    "located; add {% generation %} ... {% endgeneration %} around assistant content"
                 )
-            spans.append((len(start), len(end)))
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+            turns.append((end, (len(start), len(end))))
+        if all(full.startswith(end) for end, _ in turns):  # prefix-stable: one sample holds every turn
+            return [self._masked(full, [span for _, span in turns])]
+        return [self._masked(end, [span]) for end, span in turns]
+
+    def _masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """``text``'s tokens and a mask of 1 on each token overlapping a span (in characters)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         mask = [int(any(e > s0 and b < s1 for s0, s1 in spans)) for b, e in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
@@ -170,7 +194,7 @@ class LazyChatRenderer:
         self.dir = tokenizer_dir
         self._renderer: ChatRenderer | None = None
 
-    def render(self, messages, where: str = "messages") -> tuple[list[int], list[int]]:
+    def render_turns(self, messages, where: str = "messages") -> list[tuple[list[int], list[int]]]:
         if self.dir is None:
             raise DataFormatError(
                 f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --chat-template-dir) "
@@ -178,11 +202,12 @@ class LazyChatRenderer:
             )
         if self._renderer is None:
             self._renderer = ChatRenderer(self.dir)
-        return self._renderer.render(messages, where)
+        return self._renderer.render_turns(messages, where)
 
 
 def read_chat_jsonl(path: str | Path, renderer: ChatRenderer) -> Iterator[Sample]:
-    """One Sample (tokens, loss_mask) per non-blank line of ``path``."""
+    """Samples (tokens, loss_mask) of each non-blank line of ``path`` (one per conversation, or one
+    per assistant turn for a template that rewrites earlier turns)."""
     path = Path(path)
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -195,5 +220,5 @@ def read_chat_jsonl(path: str | Path, renderer: ChatRenderer) -> Iterator[Sample
                 raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict) or "messages" not in row:
                 raise DataFormatError(f"{where}: expected an object with 'messages'")
-            ids, mask = renderer.render(row["messages"], where)
-            yield Sample(tokens=np.asarray(ids, dtype=np.int64), loss_mask=np.asarray(mask, dtype=np.int64))
+            for ids, mask in renderer.render_turns(row["messages"], where):
+                yield Sample(tokens=np.asarray(ids, dtype=np.int64), loss_mask=np.asarray(mask, dtype=np.int64))

@@ -49,11 +49,16 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.int32
 
 
-def write_indexed(prefix: str | Path, samples: Iterable[Sample], vocab_size: int) -> int:
-    """Write samples as PREFIX.bin/.idx (and mask/weight siblings when any sample has them).
+def write_indexed(
+    prefix: str | Path, samples: Iterable[Sample], vocab_size: int, *, empty_ok: bool = True, source: str = ""
+) -> int:
+    """Write samples as PREFIX.bin/.idx (and a sidecar per field any sample has), streaming: one
+    sample in memory at a time, so a data set larger than memory converts.
 
-    Files are written under temporary names and renamed into place only when complete, so a
-    reader (or a concurrent writer on another rank) never sees half a dataset. Returns the count.
+    A sidecar is started at the first sample holding its field, with every earlier sample's fill
+    value written first (only their lengths are kept). Files are written under temporary names
+    and renamed into place only when complete, so a reader (or a concurrent writer on another
+    rank) never sees half a dataset. Returns the count.
     """
     import torch
 
@@ -61,29 +66,46 @@ def write_indexed(prefix: str | Path, samples: Iterable[Sample], vocab_size: int
     prefix = str(prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{prefix}.tmp{os.getpid()}"
-    samples = list(samples)
-    outputs = [("", token_dtype(vocab_size), lambda s: s.tokens)]
-    for name, (suffix, dtype, fill) in SIDECARS.items():
-        if any(getattr(s, name) is not None for s in samples):
-            outputs.append(
-                (
-                    suffix,
-                    dtype,
-                    lambda s, name=name, dtype=dtype, fill=fill: (
-                        v if (v := getattr(s, name)) is not None else np.full(len(s.tokens), fill, dtype)
-                    ),
-                )
-            )
-    for suffix, dtype, field in outputs:
-        builder = ids.IndexedDatasetBuilder(f"{tmp}{suffix}.bin", dtype=dtype)
-        for s in samples:
-            builder.add_item(torch.from_numpy(np.ascontiguousarray(field(s), dtype=dtype)))
-            builder.end_document()
-        builder.finalize(f"{tmp}{suffix}.idx")
-    for suffix, _, _ in outputs:
+
+    def builder(suffix: str, dtype):
+        return ids.IndexedDatasetBuilder(f"{tmp}{suffix}.bin", dtype=dtype)
+
+    def add(b, values, dtype) -> None:
+        b.add_item(torch.from_numpy(np.ascontiguousarray(values, dtype=dtype)))
+        b.end_document()
+
+    tokens_dtype = token_dtype(vocab_size)
+    outputs = {"": (builder("", tokens_dtype), tokens_dtype)}
+    lengths: list[int] = []
+    try:
+        _write(samples, outputs, lengths, builder, add, tokens_dtype)
+        if not lengths and not empty_ok:
+            raise DataFileError(f"{source or prefix}: no samples (the file is empty or blank)")
+        for suffix, (b, _) in outputs.items():
+            b.finalize(f"{tmp}{suffix}.idx")
+    except BaseException:  # a bad row stops the conversion: nothing is left behind
+        for suffix in outputs:
+            for ext in (".bin", ".idx"):
+                Path(f"{tmp}{suffix}{ext}").unlink(missing_ok=True)
+        raise
+    for suffix in outputs:
         for ext in (".bin", ".idx"):
             os.replace(f"{tmp}{suffix}{ext}", f"{prefix}{suffix}{ext}")
-    return len(samples)
+    return len(lengths)
+
+
+def _write(samples, outputs: dict, lengths: list[int], builder, add, tokens_dtype) -> None:
+    for s in samples:
+        for name, (suffix, dtype, fill) in SIDECARS.items():
+            value = getattr(s, name)
+            if value is not None and suffix not in outputs:
+                outputs[suffix] = (builder(suffix, dtype), dtype)
+                for n in lengths:  # earlier samples had no such field
+                    add(outputs[suffix][0], np.full(n, fill, dtype), dtype)
+            if suffix in outputs:
+                add(outputs[suffix][0], value if value is not None else np.full(len(s.tokens), fill, dtype), dtype)
+        add(outputs[""][0], s.tokens, tokens_dtype)
+        lengths.append(len(s.tokens))
 
 
 def indexed_exists(prefix: str | Path) -> bool:

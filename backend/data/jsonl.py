@@ -33,7 +33,7 @@ from .errors import DataFormatError
 from .row_fields import PASS_THROUGH, RowFields, check_row_keys, parse_field
 from .sample import Sample
 
-__all__ = ["DataFormatError", "InMemoryDataset", "read_jsonl"]
+__all__ = ["DataFormatError", "InMemoryDataset", "RowParser", "jsonl_rows", "read_jsonl"]
 
 
 def _int_list(value, what: str, where: str, limit: int | None = None, hint: str = "") -> np.ndarray:
@@ -50,30 +50,16 @@ def _int_list(value, what: str, where: str, limit: int | None = None, hint: str 
     return arr
 
 
-def read_jsonl(
-    path: str | Path,
-    tokenizer,
-    json_key: str = "text",
-    chat=None,
-    *,
-    append_eod: bool = False,
-    fields: RowFields = PASS_THROUGH,
-    ignored: Counter | None = None,
-) -> Iterator[Sample]:
-    """Yield one Sample per non-blank line of ``path``.
+def read_jsonl(path: str | Path, tokenizer, json_key: str = "text", chat=None, **options) -> Iterator[Sample]:
+    """Yield the Samples of each non-blank line of ``path`` (``options``: ``RowParser``'s)."""
+    parse = RowParser(tokenizer, json_key, chat, **options)
+    for where, row in jsonl_rows(path):
+        yield from parse(row, where)
 
-    ``fields``: which policy fields to read, require or refuse (default: read whatever is there,
-    for tools that pass rows through). ``ignored``: counts the rows of each field nothing reads.
 
-    ``chat``: a ``chat.ChatRenderer`` (or ``chat.LazyChatRenderer``) for ``messages`` rows; None
-    refuses them, naming the line and what to set. ``append_eod``: each sample ends in the
-    tokenizer's EOD id (the tokenizer must be built with one: ``build_tokenizer(..., eod=True)``).
-    """
-    eod_id = getattr(tokenizer, "eod_id", None)
-    if append_eod and eod_id is None:
-        raise ValueError(f"append_eod needs a tokenizer built with an end-of-document id ({tokenizer.name})")
+def jsonl_rows(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(``FILE:LINE``, the decoded JSON value) for each non-blank line of ``path``."""
     path = Path(path)
-    vocab_hint = f" (the vocabulary of data.tokenizer={getattr(tokenizer, 'name', '?')})"
     # Bytes, decoded line by line: invalid UTF-8 then names its line instead of failing the file.
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -90,57 +76,89 @@ def read_jsonl(
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            check_row_keys(row, fields, where, json_key, ignored)
-            if "messages" in row:
-                if chat is None:
-                    raise DataFormatError(
-                        f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --tokenizer) to a "
-                        f"Hugging Face tokenizer directory with one (data.tokenizer={getattr(tokenizer, 'name', '?')})"
-                    )
-                ids, chat_mask = chat.render(row["messages"], where)
-                tokens = np.asarray(ids, dtype=np.int64)
-                if "loss_mask" in row:
-                    raise DataFormatError(f"{where}: 'loss_mask' is derived from 'messages' (assistant turns only)")
-                row = {**row, "loss_mask": chat_mask}
-            elif "input_ids" in row:
-                tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, vocab_hint)
-            elif json_key in row:
-                if not isinstance(row[json_key], str):
-                    raise DataFormatError(f"{where}: '{json_key}' must be a string")
-                tokens = np.asarray(tokenizer.encode(row[json_key]), dtype=np.int64)
-            else:
+
+
+class RowParser:
+    """One row (a dict of fields, from JSONL, Parquet or Arrow) -> its Samples, validated the same
+    way whatever the file format; every error names ``where`` (the file and line or row).
+
+    ``fields``: which policy fields to read, require or refuse (default: read whatever is there,
+    for tools that pass rows through). ``ignored``: counts the rows of each field nothing reads.
+    ``chat``: a ``chat.ChatRenderer`` (or ``chat.LazyChatRenderer``) for ``messages`` rows; None
+    refuses them, naming the row and what to set. ``append_eod``: each sample ends in the
+    tokenizer's EOD id (the tokenizer must be built with one: ``build_tokenizer(..., eod=True)``).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        json_key: str = "text",
+        chat=None,
+        *,
+        append_eod: bool = False,
+        fields: RowFields = PASS_THROUGH,
+        ignored: Counter | None = None,
+    ):
+        self.eod_id = getattr(tokenizer, "eod_id", None)
+        if append_eod and self.eod_id is None:
+            raise ValueError(f"append_eod needs a tokenizer built with an end-of-document id ({tokenizer.name})")
+        self.tokenizer, self.json_key, self.chat = tokenizer, json_key, chat
+        self.append_eod, self.fields, self.ignored = append_eod, fields, ignored
+        self.vocab_hint = f" (the vocabulary of data.tokenizer={getattr(tokenizer, 'name', '?')})"
+
+    def __call__(self, row, where: str) -> list[Sample]:
+        tokenizer, json_key, fields = self.tokenizer, self.json_key, self.fields
+        if not isinstance(row, dict):
+            raise DataFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        check_row_keys(row, fields, where, json_key, self.ignored)
+        if "messages" in row:
+            if self.chat is None:
                 raise DataFormatError(
-                    f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})"
+                    f"{where}: a 'messages' row needs a chat template: set data.tokenizer (or --tokenizer) to a "
+                    f"Hugging Face tokenizer directory with one (data.tokenizer={getattr(tokenizer, 'name', '?')})"
                 )
-            if len(tokens) == 0:
-                raise DataFormatError(f"{where}: the sample has no tokens")
-            mask = weight = None
             if "loss_mask" in row:
-                mask = _int_list(row["loss_mask"], "loss_mask", where).astype(np.uint8)
-                if len(mask) != len(tokens) or mask.max(initial=0) > 1:
-                    raise DataFormatError(f"{where}: 'loss_mask' needs {len(tokens)} entries of 0 or 1, one per token")
-            if "loss_weight" in row:
-                w = row["loss_weight"]
-                if not isinstance(w, list) or not all(
-                    isinstance(v, int | float) and not isinstance(v, bool) for v in w
-                ):
-                    raise DataFormatError(f"{where}: 'loss_weight' must be a list of numbers")
-                try:
-                    weight = np.asarray(w, dtype=np.float32)
-                except OverflowError:  # an integer beyond any float
-                    weight = np.full(len(w), np.inf, dtype=np.float32)
-                if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
-                    raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
-            policy = {
-                name: parse_field(name, row[name], len(tokens), mask, where) for name in fields.read if name in row
-            }
-            sample = Sample(tokens=tokens, loss_mask=mask, loss_weight=weight, **policy)
-            yield sample.appended(eod_id) if append_eod else sample
+                raise DataFormatError(f"{where}: 'loss_mask' is derived from 'messages' (assistant turns only)")
+            return [
+                self._sample({**row, "loss_mask": mask}, np.asarray(ids, dtype=np.int64), where)
+                for ids, mask in self.chat.render_turns(row["messages"], where)
+            ]
+        if "input_ids" in row:
+            tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, self.vocab_hint)
+        elif json_key in row:
+            if not isinstance(row[json_key], str):
+                raise DataFormatError(f"{where}: '{json_key}' must be a string")
+            tokens = np.asarray(tokenizer.encode(row[json_key]), dtype=np.int64)
+        else:
+            raise DataFormatError(f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})")
+        return [self._sample(row, tokens, where)]
+
+    def _sample(self, row: dict, tokens: np.ndarray, where: str) -> Sample:
+        if len(tokens) == 0:
+            raise DataFormatError(f"{where}: the sample has no tokens")
+        mask = weight = None
+        if "loss_mask" in row:
+            mask = _int_list(row["loss_mask"], "loss_mask", where).astype(np.uint8)
+            if len(mask) != len(tokens) or mask.max(initial=0) > 1:
+                raise DataFormatError(f"{where}: 'loss_mask' needs {len(tokens)} entries of 0 or 1, one per token")
+        if "loss_weight" in row:
+            w = row["loss_weight"]
+            if not isinstance(w, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in w):
+                raise DataFormatError(f"{where}: 'loss_weight' must be a list of numbers")
+            try:
+                weight = np.asarray(w, dtype=np.float32)
+            except OverflowError:  # an integer beyond any float
+                weight = np.full(len(w), np.inf, dtype=np.float32)
+            if len(weight) != len(tokens) or not np.all(np.isfinite(weight)):
+                raise DataFormatError(f"{where}: 'loss_weight' needs {len(tokens)} finite numbers, one per token")
+        policy = {
+            name: parse_field(name, row[name], len(tokens), mask, where) for name in self.fields.read if name in row
+        }
+        sample = Sample(tokens=tokens, loss_mask=mask, loss_weight=weight, **policy)
+        return sample.appended(self.eod_id) if self.append_eod else sample
 
 
 class InMemoryDataset:

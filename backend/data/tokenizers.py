@@ -37,8 +37,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], *, specials: bool = False) -> str:
+        """The text of ``ids``; with ``specials`` the end-of-document id shows as ``<eod>``."""
+        text = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return text + "<eod>" * sum(i == 256 for i in ids) if specials else text
 
 
 class HFTokenizer:
@@ -94,8 +96,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+    def decode(self, ids: list[int], *, specials: bool = False) -> str:
+        """The text of ``ids``; with ``specials``, special tokens (``<|im_end|>``) are kept."""
+        return self._tok.decode(ids, skip_special_tokens=not specials)
 
 
 def build_tokenizer(spec: str, *, eod: bool = False):

@@ -37,7 +37,7 @@ CONVERSATION = [
 ]
 
 
-def _tokenizer_dir(tmp_path, template: str, where: str = "jinja"):
+def _tokenizer_dir(tmp_path, template: str, where: str = "jinja", specials=("<|im_start|>", "<|im_end|>"), bos=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,12 +46,12 @@ def _tokenizer_dir(tmp_path, template: str, where: str = "jinja"):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     texts = [m["content"] for m in CONVERSATION] + ["assistant user system", "hello world"] * 5
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[-1], bos_token=bos)
     out = tmp_path / f"tok_{where}"
     fast.save_pretrained(out)
     for stale in ("chat_template.jinja",):
@@ -98,12 +98,74 @@ def test_generation_blocks_give_the_same_mask(tmp_path):
     assert gen.render(CONVERSATION) == plain.render(CONVERSATION)
 
 
-def test_history_rewriting_template_is_refused(tmp_path):
-    r = ChatRenderer(_tokenizer_dir(tmp_path, UNSTABLE, "jinja"))
-    convo = [dict(m) for m in CONVERSATION]
-    convo[2]["content"] = "hmm</think>four"
-    with pytest.raises(ChatTemplateError, match=r"rows.jsonl:7: message 2: .* not prefix-stable"):
-        r.render(convo, "rows.jsonl:7")
+# Behaves like Qwen3's released template: a system preamble when the conversation has none, tool
+# results as user turns, and the reasoning of assistant turns before the last user message dropped.
+QWEN_LIKE = (
+    "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% set content = m.content %}"
+    "{% if loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant\n{{ content }}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+AGENT = [
+    {"role": "user", "content": "what is two plus two"},
+    {"role": "assistant", "content": "<think>add</think>\n\nfour"},
+    {"role": "user", "content": "and three plus three"},
+    {"role": "assistant", "content": "<think>use the tool</think>call plus"},
+    {"role": "tool", "content": "6"},
+    {"role": "assistant", "content": "<think>it said 6</think>\n\nsix, of course"},
+]
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_generated(tmp_path):
+    """Each assistant turn is one sample: the prompt as the template renders it when that turn is
+    generated, the loss on the turn (reasoning included) and its end-of-turn marker."""
+    r = ChatRenderer(_tokenizer_dir(tmp_path, QWEN_LIKE, "jinja"))
+    turns = r.render_turns(AGENT, "rows.jsonl:7")
+    assert len(turns) == 3
+    decode = r.tokenizer.decode
+    for (ids, mask), k in zip(turns, (1, 3, 5)):
+        assert decode(ids) == r.tokenizer.apply_chat_template(AGENT[: k + 1], tokenize=False)
+        assert _assistant_text(r, ids, mask) == [AGENT[k]["content"] + "<|im_end|>\n"]
+    # Later prompts hold earlier turns as the template shows them then: the first answer's
+    # reasoning is gone once a later user message follows, and a preamble opens every sample.
+    last = decode(turns[2][0])
+    assert "<think>add</think>" not in last and "<|im_start|>assistant\nfour<|im_end|>" in last
+    assert all(decode(ids).startswith("<|im_start|>system\nYou are helpful.") for ids, _ in turns)
+    assert "<tool_response>\n6\n</tool_response>" in last
+    with pytest.raises(ChatTemplateError, match=r"rows.jsonl:7: .* rewrites earlier turns, so this conversation is 3"):
+        r.render(AGENT, "rows.jsonl:7")
+    # A conversation the template renders without rewriting stays one sample.
+    assert len(r.render_turns(AGENT[:2])) == 1
+
+
+# Llama 3.1's released format: a system header with its knowledge and today's dates first, role
+# headers, <|eot_id|> ending each turn.
+LLAMA3 = (
+    "{{ bos_token }}{% if messages[0].role == 'system' %}{% set system = messages[0].content %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+    "Today Date: 26 Jul 2024\n\n{{ system }}<|eot_id|>"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_llama3_format_masks_each_answer_and_its_end_of_turn(tmp_path):
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    r = ChatRenderer(_tokenizer_dir(tmp_path, LLAMA3, "jinja", specials=specials, bos="<|begin_of_text|>"))
+    turns = r.render_turns(CONVERSATION)
+    assert len(turns) == 1
+    ids, mask = turns[0]
+    assert r.tokenizer.decode(ids).startswith("<|begin_of_text|><|start_header_id|>system")
+    assert _assistant_text(r, ids, mask) == ["four<|eot_id|>", "six, of course<|eot_id|>"]
+    tokens = [r.tokenizer.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+    assert tokens.count("<|eot_id|>") == 2 and "<|end_header_id|>" not in tokens
 
 
 def test_jsonl_rows_and_errors_name_file_and_line(tmp_path):
