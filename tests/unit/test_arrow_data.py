@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed
 
 from backend.config import load_config, validate
 from backend.data.build import build_dataset
@@ -94,7 +95,8 @@ def test_arrow_sources_give_the_jsonl_samples(sources, tmp_path, kind):
     assert len(list(tmp_path.glob("arrow_*.json"))) == 1
 
 
-def _losses(world, path: Path, tmp: Path) -> list[tuple]:
+def train_losses(world, path: Path, tmp: Path) -> list[tuple]:
+    """(loss, grad norm, tokens) of 3 dynamic steps on ``path`` (rank 0's run directory per source)."""
     cfg = validate(
         load_config(
             TINY,
@@ -118,14 +120,15 @@ def _losses(world, path: Path, tmp: Path) -> list[tuple]:
     trainer = Trainer(cfg, world)
     trainer.train()
     trainer.metrics.close()
+    torch.distributed.barrier()  # rank 0 writes metrics.jsonl; every rank reads it
     steps, _ = read_metrics(Path(cfg.logger.run_dir) / "metrics.jsonl")
     return [(s["loss"], s["grad_norm"], s["tokens"]) for s in steps]
 
 
 def test_parquet_trains_bitwise_like_jsonl(world, sources, tmp_path):
-    jsonl = _losses(world, sources["jsonl"], tmp_path)
+    jsonl = train_losses(world, sources["jsonl"], tmp_path)
     assert len(jsonl) == 3
-    assert _losses(world, sources["parquet"], tmp_path) == jsonl
+    assert train_losses(world, sources["parquet"], tmp_path) == jsonl
 
 
 def test_a_bad_row_names_file_row_and_field(tmp_path):
