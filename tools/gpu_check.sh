@@ -99,7 +99,12 @@ step() {
 }
 
 step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
-step kernels 70 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py"
+# kernels, then the memory probe (train.max_tokens_per_gpu=auto) on the ~250M model in BF16 and on the
+# exact Qwen3-4B architecture (random weights: the recipe without its checkpoint), one JSON line each.
+probe_250m="model.hidden_size=1024 model.num_layers=16 model.num_attention_heads=16 model.num_query_groups=4"
+step kernels_memory 130 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
+  && '$py' tools/probe_memory.py configs/quickstart.yaml $probe_250m train.precision=bf16 --json \
+  && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte --json"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
 step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json
 rl_tmp=$(mktemp -d)
@@ -116,6 +121,7 @@ files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
   echo "gpu_check: exit $status, $SECONDS s; $(grep -m1 '^torch ' "$out/environment.txt")"
   cat "$results"
   grep -hE "^device |^cost model|speedup vs mbs1|^flex compile|^experts speedup" "$out"/*.log || echo "bench: no result lines"
+  grep -h '"max_tokens_per_gpu"' "$out/kernels_memory.log" 2> /dev/null | cut -c1-200 || true
   # one line per policy arm: "policy fixed vs packed: loss_rel_diff=... grad_cosine=... ..."
   awk '/^-- fixed vs/ { arm = $4 } /^(loss_rel_diff|grad_cosine|update_cosine|rel_update_diff) / { v[arm] = v[arm] " " $1 "=" $2 }
     END { for (a in v) print "policy fixed vs " a ":" v[a] }' "$out/policy_arms.log" 2> /dev/null || true

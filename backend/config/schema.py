@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.batching import DEFAULT_ATTENTION_WEIGHT, DEFAULT_MICROBATCH_OVERHEAD, LAYOUTS
 
@@ -185,8 +186,15 @@ class TrainConfig:
     micro_batch_size: int = 1
     # Plan microbatches under max_tokens_per_gpu instead of micro_batch_size.
     dynamic_batch_enable: bool = False
-    # Token budget per GPU and microbatch, padding included, after the CP cut.
-    max_tokens_per_gpu: int = 0
+    # Token budget per GPU and microbatch, padding included, after the CP cut; "auto" measures the
+    # model's memory at start-up (backend.train.memory_probe) and takes the largest budget whose
+    # worst microbatch fits memory_limit_gib x (1 - memory_margin).
+    max_tokens_per_gpu: Any = 0
+    # The memory a GPU may use with max_tokens_per_gpu=auto, in GiB; 0 = the device's capacity
+    # (CUDA); required on CPU.
+    memory_limit_gib: float = 0.0
+    # Fraction of memory_limit_gib kept free with max_tokens_per_gpu=auto.
+    memory_margin: float = 0.1
     # Pad each microbatch's length to this multiple (1 = exact lengths; larger buckets shapes).
     dynamic_batch_pad_to_multiple: int = 1
     # Cap on distinct padded lengths (0 = exact lengths): K bucket edges chosen from the data's

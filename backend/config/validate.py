@@ -71,7 +71,6 @@ _NON_NEGATIVE = (
     "model.num_moe_experts",
     "model.moe_ffn_hidden_size",
     "model.moe_aux_loss_coeff",
-    "train.max_tokens_per_gpu",
     "train.dynamic_batch_overhead",
     "train.dynamic_batch_attention_weight",
     "train.dynamic_batch_max_shapes",
@@ -95,6 +94,22 @@ def get(cfg: Config, dotted: str):
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
+
+
+def _auto_budget_errors(t, world_size: int) -> list[str]:
+    """train.max_tokens_per_gpu: a whole number >= 0 or "auto"; the memory keys in range."""
+    errors = []
+    value = t.max_tokens_per_gpu
+    if value == "auto":
+        if not t.dynamic_batch_enable:
+            errors.append("train.max_tokens_per_gpu=auto: needs train.dynamic_batch_enable=true")
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        errors.append(f"train.max_tokens_per_gpu={value!r}: allowed values are a whole number >= 0 or auto")
+    if t.memory_limit_gib < 0:
+        errors.append(f"train.memory_limit_gib={t.memory_limit_gib}: must be >= 0 (0 = the device's capacity)")
+    if not 0 <= t.memory_margin < 1:
+        errors.append(f"train.memory_margin={t.memory_margin}: must be in [0, 1)")
+    return errors
 
 
 def _rope_errors(m) -> list[str]:
@@ -272,8 +287,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             f" * data-parallel size = {t.micro_batch_size} * {dp} (or set train.dynamic_batch_enable=true)"
         )
     smallest = smallest_budget(t.dynamic_batch_pad_to_multiple, cp)
+    errors += _auto_budget_errors(t, world_size)
     for key in ("train.max_tokens_per_gpu", "train.forward_max_tokens_per_gpu"):
         value = get(cfg, key)
+        if value == "auto" or not isinstance(value, int):  # auto, or refused by _auto_budget_errors
+            continue
         if key == "train.max_tokens_per_gpu" and t.dynamic_batch_enable and value == 0:
             errors.append("train.max_tokens_per_gpu: must be set (>= 1) when train.dynamic_batch_enable is true")
         elif value and value < smallest:

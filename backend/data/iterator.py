@@ -43,6 +43,13 @@ def planner_from_config(
         layout=train_cfg.dynamic_batch_layout,
         attention_weight=float(train_cfg.dynamic_batch_attention_weight),
     )
+    if "auto" in (train_cfg.max_tokens_per_gpu, train_cfg.forward_max_tokens_per_gpu) and not (
+        forward and train_cfg.forward_max_tokens_per_gpu not in (0, "auto")
+    ):
+        raise ValueError(
+            "train.max_tokens_per_gpu=auto is resolved by the trainer's memory probe (it needs the model); "
+            "give a number here (tools/probe_memory.py prints the one the probe chooses)"
+        )
     if forward:
         budget = train_cfg.forward_max_tokens_per_gpu or train_cfg.max_tokens_per_gpu
         if not budget:

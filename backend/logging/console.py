@@ -342,6 +342,9 @@ def run_totals(train_rows: Sequence[dict], eval_rows: Sequence[dict] = ()) -> di
             padding_efficiency=tokens / padded if padded else None,
             final_loss=train_rows[-1].get("loss"),
         )
+        peaks = [(r["peak_memory_bytes"], r.get("step")) for r in train_rows if r.get("peak_memory_bytes")]
+        if peaks:
+            out["peak_memory_bytes"], out["peak_memory_step"] = max(peaks)
     valid = [r for r in eval_rows if r.get("valid_loss") is not None]
     if valid:
         best = min(valid, key=lambda r: r["valid_loss"])
@@ -370,6 +373,10 @@ def format_end_summary(info: dict) -> str:
     pe = info.get("padding_efficiency")
     rows.append(("padding eff", f"{pe:.3f}" if pe is not None else None))
     rows.append(("train loss", f"{info['final_loss']:.4f} (final)" if info.get("final_loss") is not None else None))
+    if info.get("peak_memory_bytes"):
+        rows.append(
+            ("peak memory", f"{info['peak_memory_bytes'] / 2**20:,.1f} MiB (worst step: {info['peak_memory_step']})")
+        )
     if info.get("final_valid_loss") is not None:
         best = ""
         if info.get("best_valid_loss") is not None:

@@ -9,7 +9,8 @@ import logging
 import time
 from pathlib import Path
 
-from backend.config import Config, checkpoint_dir, save_config
+from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError
+from backend.config import Config, ConfigError, checkpoint_dir, save_config
 from backend.config.run_values import resolve_run_config
 from backend.data.build import build_dataset
 from backend.data.errors import DataError
@@ -18,14 +19,17 @@ from backend.data.prefetch import PrefetchingIterator, SyncIterator
 from backend.data.row_fields import format_ignored, row_fields
 from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.data.split import build_train_and_valid, evaluation_ids
+from backend.distributed.collectives import dist_max
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
 from backend.logging.console import format_end_summary, format_startup_summary, length_stats
-from backend.logging.metrics import MetricsLogger, peak_memory_bytes, plan_metrics
+from backend.logging.metrics import MetricsLogger, plan_metrics
 from backend.model.factory import build_model
 
 from .checkpoint import save_checkpoint
 from .evaluate import validation_loss
+from .memory_meter import MemoryMeter, resident_tensors
+from .memory_probe import probe_memory
 from .metrics_rewind import rewind_metrics
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
@@ -92,9 +96,13 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
+        self.meter = MemoryMeter(env.device, resident_tensors(self.model, self.optimizer))
+        self.memory = None  # the probe's result with train.max_tokens_per_gpu=auto
+        if cfg.train.max_tokens_per_gpu == "auto":
+            self.cfg = cfg = self.resolve_budget(cfg)
 
         sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
-        edges = bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=env.cp_size)
+        self.bucket_edges = edges = bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=env.cp_size)
         if edges and env.is_main:
             log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges)
@@ -103,7 +111,7 @@ class Trainer:
         reference = (
             build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size) if loss.reference_checkpoint else None
         )
-        windows = DataIterator(
+        self.windows = windows = DataIterator(
             self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
         self.data = RolloutStream(
@@ -123,6 +131,7 @@ class Trainer:
             meta := resume_latest(self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env)
         ):
             self.step = meta["step"]
+            self.meter.track(resident_tensors(self.model, self.optimizer))  # the loaded optimizer state
             self.data.load_state_dict(meta["data"])
             self.wandb_run_id = meta.get("wandb_run_id")
             rollout = loss.minibatches_per_rollout
@@ -146,6 +155,59 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if env.is_main:
             log.info("%s", format_startup_summary(self.startup_info()))
+
+    def resolve_budget(self, cfg):
+        """``train.max_tokens_per_gpu: auto`` measured (``memory_probe``): the config with the number."""
+        try:
+            self.memory = probe_memory(
+                self.model, self.optimizer, cfg, self.env, backend=self.backend, meter=self.meter
+            )
+        except BudgetError as e:
+            raise ConfigError(f"train.max_tokens_per_gpu=auto: {e}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.env.is_main:
+            log.info("%s", self.memory.summary())
+        budget = self.memory.budget
+        train = dataclasses.replace(cfg.train, max_tokens_per_gpu=budget)
+        if cfg.train.forward_max_tokens_per_gpu in (0, "auto"):  # forward-only passes: the same fit and budget
+            train = dataclasses.replace(train, forward_max_tokens_per_gpu=budget)
+        return dataclasses.replace(cfg, train=train)
+
+    def check_memory(self, data: StepData, peak: int) -> None:
+        """The step's measured peak against the fit's prediction for its largest microbatch; over by
+        more than 5% on any rank: a warning with both numbers, and with ``auto`` a lower budget for
+        the windows planned from now on (never a higher one)."""
+        if self.memory is None:
+            return
+        cp = self.env.cp_size
+        predicted = max(
+            (self.memory.fit.predict(mb.cost, mb.area / cp) for mb in data.plan.microbatches(self.env.dp_rank)),
+            default=self.memory.fit.a,
+        )
+        ratio = float(dist_max(peak / predicted, self.env.device))
+        if ratio <= 1.05:
+            return
+        budget = self.cfg.train.max_tokens_per_gpu
+        lower = max(BUDGET_QUANTUM, int(budget / ratio) // BUDGET_QUANTUM * BUDGET_QUANTUM)
+        if self.env.is_main:
+            log.warning(
+                "step %d: measured peak memory %.1f MiB is %.0f%% over the probe's prediction %.1f MiB (on the worst "
+                "rank); train.max_tokens_per_gpu %d -> %d for the windows planned from now on",
+                self.step,
+                peak / 2**20,
+                (ratio - 1) * 100,
+                predicted / 2**20,
+                budget,
+                lower,
+            )
+        if lower < budget:
+            self.cfg = dataclasses.replace(
+                self.cfg, train=dataclasses.replace(self.cfg.train, max_tokens_per_gpu=lower)
+            )
+            self.windows.planner = planner_from_config(
+                self.cfg.train, dp_size=self.env.dp_size, cp_size=self.env.cp_size, bucket_edges=self.bucket_edges
+            )
 
     def write_run_record(self) -> None:
         """config.yaml (the config this run trains with) and world.json, written only by a start that
@@ -268,16 +330,19 @@ class Trainer:
                 f"{ids}{' ...' if len(data.window_ids) > 8 else ''}) hold no loss tokens (every loss_mask is 0), so "
                 f"there is nothing to train on; check the data's loss_mask (or its chat template's assistant turns)"
             )
-        out = train_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            data,
-            self.env,
-            clip_grad=self.cfg.optimizer.clip_grad,
-            step=self.step,
-            loss_cfg=self.cfg.loss,
-        )
+        with self.meter.step():
+            out = train_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                data,
+                self.env,
+                clip_grad=self.cfg.optimizer.clip_grad,
+                step=self.step,
+                loss_cfg=self.cfg.loss,
+            )
+        out["peak_memory_bytes"] = self.meter.peak_bytes
+        self.check_memory(data, self.meter.peak_bytes)
         return self.log_step(data, out, data_time)
 
     def next_data(self) -> tuple[StepData, float]:
@@ -296,7 +361,6 @@ class Trainer:
         if self.policy:  # forward-only passes (recomputed old / reference log-probabilities) in data_time_s
             metrics["logprob_time_s"] = self.data.last_fill_s
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
-        metrics["peak_memory_bytes"] = peak_memory_bytes(self.env.device)
         metrics["loss_tokens"] = data.global_loss_tokens
         metrics["oversampling_factor"] = self.oversampling
         metrics.update(self.dataset.report.as_dict())

@@ -1,0 +1,136 @@
+"""train.max_tokens_per_gpu=auto: the fit, the budget it resolves, the meter and the probe.
+
+The fit and the budget are pure arithmetic (``backend.batching.memory_fit``): a fake meter with
+known a, b, c is fitted back and gives the exact budget; no microbatch any planner forms under the
+budget is predicted over the limit. On the tiny model with SDPA the probe's budget holds: held-out
+microbatch shapes at that budget measure at or under the prediction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.batching import PlanArgs, make_planner
+from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError, MemoryFit, fit_memory, resolve_budget, worst_peak
+from backend.config import load_config, validate
+from backend.model.factory import build_model
+from backend.train.memory_meter import MemoryMeter, resident_tensors
+from backend.train.memory_probe import probe_memory, run_probes
+from backend.train.optim import build_optimizer
+from tests.conftest import TINY
+
+TRUE = MemoryFit(a=3.0e8, b=2.5e4, c=6.0)  # 286 MiB, 24.4 KiB a token, 6 B a score
+
+
+def fake_points(fit: MemoryFit, shapes) -> list[tuple[float, float, float]]:
+    return [(t, a, fit.predict(t, a)) for t, a in shapes]
+
+
+def test_a_fake_meter_is_fitted_back_exactly():
+    shapes = [(4096, 4096**2), (8192, 2 * 4096**2), (8192, 8192 * 256), (6144, 3 * 1024**2)]
+    fit = fit_memory(fake_points(TRUE, shapes))
+    assert fit.a == pytest.approx(TRUE.a, rel=1e-9) and fit.b == pytest.approx(TRUE.b, rel=1e-9)
+    assert fit.c == pytest.approx(TRUE.c, rel=1e-9)
+    flat = fit_memory(fake_points(MemoryFit(3.0e8, 2.5e4, 0.0), shapes), attention=False)
+    assert flat.c == 0 and flat.b == pytest.approx(2.5e4)
+
+
+def test_probes_above_the_line_raise_it():
+    shapes = [(1024, 1024**2), (2048, 2 * 1024**2), (2048, 2048 * 64), (1536, 3 * 512**2)]
+    points = fake_points(TRUE, shapes)
+    points[2] = (points[2][0], points[2][1], points[2][2] + 5e6)  # one probe 5 MB over the others' line
+    fit = fit_memory(points)
+    assert all(fit.predict(t, a) >= p - 1e-3 for t, a, p in points)
+
+
+def test_the_budget_is_the_largest_that_fits():
+    limit, margin, max_len = 8 * 2**30, 0.1, 4096
+    budget = resolve_budget(TRUE, limit, margin, max_len)
+    usable = limit * (1 - margin)
+    assert budget % BUDGET_QUANTUM == 0
+    assert worst_peak(TRUE, budget, max_len) <= usable < worst_peak(TRUE, budget + BUDGET_QUANTUM, max_len)
+    # By brute force over every multiple of 64.
+    fits = [b for b in range(64, 1 << 20, 64) if worst_peak(TRUE, b, max_len) <= usable]
+    assert budget == fits[-1]
+    # Doubling the memory raises the budget by what the model says: (usable gained) / marginal bytes.
+    doubled = resolve_budget(TRUE, 2 * limit, margin, max_len)
+    marginal = TRUE.b + TRUE.c * max_len  # bytes per token once rows are at the longest length
+    assert doubled - budget == pytest.approx(usable / marginal, rel=0.01, abs=64)
+
+
+def test_a_sequence_that_cannot_fit_alone_names_what_to_change():
+    with pytest.raises(BudgetError, match=r"data.max_seq_length=65536 does not fit: .* GiB, over the .* GiB"):
+        resolve_budget(TRUE, 16 * 2**30, 0.1, 65536)
+    assert resolve_budget(TRUE, 16 * 2**30, 0.1, 65536, cp_size=4) > 0  # CP splits the singleton
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=64),
+    gib=st.floats(2.0, 64.0),
+    cp=st.sampled_from([1, 2, 4]),
+    layout=st.sampled_from(["padded", "packed"]),
+)
+def test_no_planned_microbatch_is_predicted_over_the_limit(lengths, gib, cp, layout):
+    limit, margin, max_len = gib * 2**30, 0.1, 4096
+    try:
+        budget = resolve_budget(TRUE, limit, margin, max_len, cp)
+    except BudgetError:
+        return
+    plan = make_planner("dynamic", PlanArgs(dp_size=2, cp_size=cp, max_tokens_per_gpu=budget, layout=layout))(lengths)
+    for rank in plan.ranks:
+        for mb in rank:
+            assert TRUE.predict(mb.cost, mb.area / cp) <= limit * (1 - margin) + 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny(world):
+    cfg = validate(
+        load_config(
+            TINY,
+            [
+                "train.dynamic_batch_enable=true",
+                "train.max_tokens_per_gpu=auto",
+                "train.memory_limit_gib=0.5",
+                "data.max_seq_length=256",
+            ],
+        )
+    )
+    built = build_model(cfg, world, tokenizer_vocab=256)
+    optimizer = build_optimizer(built.model, cfg.optimizer)
+    return cfg, built, optimizer
+
+
+def test_the_probe_budget_holds_on_held_out_shapes(world, tiny):
+    cfg, built, optimizer = tiny
+    before = [p.detach().clone() for p in built.model.parameters()]
+    meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
+    result = probe_memory(built.model, optimizer, cfg, world, backend=built.attention_backend, meter=meter)
+    assert result.budget % 64 == 0 and result.fit.b > 0 and result.fit.c > 0  # SDPA materialises scores
+    assert result.predicted_peak_bytes <= 0.5 * 2**30 * 0.9
+    # The probe leaves weights exactly as they were and the optimizer without state.
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, built.model.parameters())) and not optimizer.state
+    # Held-out shapes (not among the probes), each a microbatch a planner could form.
+    shapes = [[256] * 3, [200, 120, 90, 60], [40] * 12, [256, 16, 16]]
+    points, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=shapes)
+    for tokens, area, peak in points:
+        assert peak <= result.fit.predict(tokens, area), (tokens, area, peak)
+
+
+def test_the_cpu_meter_counts_a_step_not_the_process(world, tiny):
+    cfg, built, optimizer = tiny
+    meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
+    with meter.step():
+        x = torch.zeros(1 << 20)  # 4 MiB, freed before the step ends
+        del x
+    first = meter.peak_bytes
+    with meter.step():
+        pass
+    assert first - meter.peak_bytes == 4 << 20  # this step's peak, not the lifetime's
+    weights = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    assert meter.peak_bytes >= weights
+    assert np.isfinite(meter.peak_bytes)
