@@ -119,3 +119,30 @@ def test_gpu_check_says_why_it_cannot_run_on_cpu(tmp_path):
     )
     assert proc.returncode == 3
     assert "no CUDA device visible" in proc.stdout and (tmp_path / "summary.txt").exists()
+
+
+def probe_on_rank(rank: int, world: int) -> dict:
+    from backend.batching.memory_fit import resolve_budget
+    from backend.config import load_config, validate
+    from backend.distributed.setup import init_distributed
+    from backend.model.factory import build_model
+    from backend.train.memory_meter import MemoryMeter, resident_tensors
+    from backend.train.memory_probe import probe_memory
+    from backend.train.optim import build_optimizer
+
+    env = init_distributed(1)
+    limit = 0.25 if rank == 0 else 0.5  # ranks with different memory: the budget is the smaller one
+    overrides = ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=auto", f"train.memory_limit_gib={limit}"]
+    cfg = validate(load_config(str(REPO / "tests" / "configs" / "tiny.yaml"), overrides), world)
+    built = build_model(cfg, env, tokenizer_vocab=256)
+    opt = build_optimizer(built.model, cfg.optimizer)
+    meter = MemoryMeter(env.device, resident_tensors(built.model, opt))
+    result = probe_memory(built.model, opt, cfg, env, backend=built.attention_backend, meter=meter)
+    own = resolve_budget(result.fit, result.limit_bytes, result.margin, cfg.data.max_seq_length)
+    return {"budget": result.budget, "own": own}
+
+
+def test_ranks_agree_on_the_smallest_budget(tmp_path):
+    r0, r1 = run_ranks(probe_on_rank, 2, tmp_path)
+    assert r0["own"] < r1["own"]  # rank 0 alone would choose less
+    assert r0["budget"] == r1["budget"] == r0["own"]

@@ -8,6 +8,8 @@ microbatch shapes at that budget measure at or under the prediction.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,40 @@ def test_the_cpu_meter_counts_a_step_not_the_process(world, tiny):
     weights = sum(p.numel() * p.element_size() for p in built.model.parameters())
     assert meter.peak_bytes >= weights
     assert np.isfinite(meter.peak_bytes)
+
+
+def test_a_step_over_its_prediction_warns_and_lowers_the_budget(world, tmp_path, caplog):
+    import logging
+
+    from backend.train.trainer import Trainer
+
+    cfg = validate(
+        load_config(
+            TINY,
+            [
+                "train.dynamic_batch_enable=true",
+                "train.max_tokens_per_gpu=auto",
+                "train.memory_limit_gib=0.25",
+                "data.max_seq_length=256",
+                "train.train_iters=2",
+                f"logger.run_dir={tmp_path / 'run'}",
+                f"checkpoint.dir={tmp_path / 'ckpt'}",
+                "checkpoint.resume=false",
+                "checkpoint.interval=0",
+                "logger.log_interval=1000",
+            ],
+        )
+    )
+    trainer = Trainer(cfg, world)
+    budget = trainer.cfg.train.max_tokens_per_gpu
+    assert isinstance(budget, int) and budget % 64 == 0 and trainer.cfg.train.forward_max_tokens_per_gpu == budget
+    fit = trainer.memory.fit
+    trainer.memory.fit = MemoryFit(fit.a / 4, fit.b / 4, fit.c / 4)  # a fit that under-predicts 4x
+    with caplog.at_level(logging.WARNING, logger="backend.train.trainer"):
+        trainer.train()
+    trainer.metrics.close()
+    warning = next(r.getMessage() for r in caplog.records if "over the probe's prediction" in r.getMessage())
+    first = int(re.search(rf"train.max_tokens_per_gpu {budget} -> (\d+)", warning).group(1))
+    lowered = trainer.cfg.train.max_tokens_per_gpu
+    assert lowered <= first < budget and first % 64 == 0  # lowered, never raised
+    assert trainer.windows.planner.keywords["args"].max_tokens_per_gpu == lowered  # the windows planned next
