@@ -48,6 +48,11 @@ def trained(sample) -> list[bool]:
     return [i > 0 and bool(m) and float(w) != 0.0 for i, (m, w) in enumerate(zip(mask, weight))]
 
 
+def visible(text: str) -> str:
+    """Control characters (other than newline and tab) as escapes, so they cannot act on a terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def spans(tokenizer, sample) -> list[tuple[str, bool]]:
     """The sample's text in runs of (text, trained)."""
     out: list[tuple[str, bool]] = []
@@ -56,7 +61,7 @@ def spans(tokenizer, sample) -> list[tuple[str, bool]]:
     start = 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or flags[i] != flags[start]:
-            out.append((tokenizer.decode(ids[start:i], specials=True), flags[start]))
+            out.append((visible(tokenizer.decode(ids[start:i], specials=True)), flags[start]))
             start = i
     return out
 
