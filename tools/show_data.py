@@ -169,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 for row in rows:
                     print("\t".join(row))
     if args.plan:
-        for line in plan_lines(cfg, dataset, args.dp):
+        try:
+            lines = plan_lines(cfg, dataset, args.dp)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for line in lines:
             say(line)
     return 0
 

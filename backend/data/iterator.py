@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.batching import PlanArgs, Planner, StepPlan, choose_bucket_edges, make_planner, pad_multiple
+from backend.config.errors import ConfigError
 
 from .collate import MicrobatchTensors, collate
 from .sampler import WindowSampler
@@ -46,7 +47,7 @@ def planner_from_config(
     if "auto" in (train_cfg.max_tokens_per_gpu, train_cfg.forward_max_tokens_per_gpu) and not (
         forward and train_cfg.forward_max_tokens_per_gpu not in (0, "auto")
     ):
-        raise ValueError(
+        raise ConfigError(
             "train.max_tokens_per_gpu=auto is resolved by the trainer's memory probe (it needs the model); "
             "give a number here (tools/probe_memory.py prints the one the probe chooses)"
         )
