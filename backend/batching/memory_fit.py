@@ -39,17 +39,25 @@ class MemoryFit:
     a: float  # bytes
     b: float  # bytes per token
     c: float  # bytes per attention pair
+    # The optimizer step's own peak (weights, gradients, state and its temporaries), which does not
+    # grow with the microbatch: a step's peak is the larger of it and the forward/backward line.
+    floor: float = 0.0
 
     def predict(self, tokens: float, area: float) -> float:
-        return self.a + self.b * tokens + self.c * area
+        return max(self.a + self.b * tokens + self.c * area, self.floor)
 
     def as_dict(self) -> dict:
-        return {"a_bytes": self.a, "b_bytes_per_token": self.b, "c_bytes_per_token_len": self.c}
+        return {
+            "a_bytes": self.a,
+            "b_bytes_per_token": self.b,
+            "c_bytes_per_token_len": self.c,
+            "optimizer_floor_bytes": self.floor,
+        }
 
 
-def fit_memory(points: list[tuple[float, float, float]], *, attention: bool = True) -> MemoryFit:
+def fit_memory(points: list[tuple[float, float, float]], *, attention: bool = True, floor: float = 0.0) -> MemoryFit:
     """The fit of ``(tokens, area, peak bytes)`` points (at least 3, or 2 without ``attention``),
-    with b, c >= 0 and every point on or under it."""
+    with b, c >= 0 and every point on or under it; ``floor``: the optimizer step's peak."""
     pts = np.asarray(points, dtype=np.float64)
     need = 3 if attention else 2
     if len(pts) < need:
@@ -58,11 +66,11 @@ def fit_memory(points: list[tuple[float, float, float]], *, attention: bool = Tr
     design = np.stack(columns, axis=1)
     coef, *_ = np.linalg.lstsq(design, pts[:, 2], rcond=None)
     if attention and coef[2] < 0:  # scores not materialised: refit without them
-        return fit_memory(points, attention=False)
+        return fit_memory(points, attention=False, floor=floor)
     b = max(float(coef[1]), 0.0)
     c = max(float(coef[2]), 0.0) if attention else 0.0
     a = float(np.max(pts[:, 2] - b * pts[:, 0] - c * pts[:, 1]))  # every probe on or under the line
-    return MemoryFit(a=a, b=b, c=c)
+    return MemoryFit(a=a, b=b, c=c, floor=floor)
 
 
 def worst_peak(fit: MemoryFit, budget: int, max_len: int, cp_size: int = 1) -> float:
@@ -73,24 +81,26 @@ def worst_peak(fit: MemoryFit, budget: int, max_len: int, cp_size: int = 1) -> f
     return full
 
 
-def resolve_budget(fit: MemoryFit, limit_bytes: float, margin: float, max_len: int, cp_size: int = 1) -> int:
-    """The largest multiple of ``BUDGET_QUANTUM`` whose worst microbatch fits ``limit x (1 - margin)``."""
+def resolve_budget(
+    fit: MemoryFit, limit_bytes: float, margin: float, max_len: int, cp_size: int = 1, ceiling: int = 1 << 30
+) -> int:
+    """The largest multiple of ``BUDGET_QUANTUM`` whose worst microbatch fits ``limit x (1 - margin)``,
+    at most ``ceiling`` (no microbatch holds more than a window's tokens: a flat fit must not
+    extrapolate to billions)."""
     usable = limit_bytes * (1.0 - margin)
     singleton = fit.predict(max_len / cp_size, max_len * max_len / cp_size)
-    if (
-        singleton > usable
-        or fit.predict(BUDGET_QUANTUM, BUDGET_QUANTUM * min(max_len, BUDGET_QUANTUM * cp_size)) > usable
-    ):
+    smallest = fit.predict(BUDGET_QUANTUM, BUDGET_QUANTUM * min(max_len, BUDGET_QUANTUM * cp_size))
+    if singleton > usable or smallest > usable:
         raise BudgetError(
             f"data.max_seq_length={max_len} does not fit: one sequence of that length is predicted to need "
             f"{singleton / 2**30:.2f} GiB, over the {usable / 2**30:.2f} GiB allowed (train.memory_limit_gib x "
             f"(1 - train.memory_margin)); raise parallel.context_parallel_size (each rank then holds 1/cp of it), "
             f"shorten data.max_seq_length, or give the run more memory (train.memory_limit_gib)"
         )
-    lo, hi = 1, 1
-    while worst_peak(fit, hi * 2 * BUDGET_QUANTUM, max_len, cp_size) <= usable and hi < 1 << 24:
-        hi *= 2
-    hi *= 2
+    top = max(1, ceiling // BUDGET_QUANTUM)
+    if worst_peak(fit, top * BUDGET_QUANTUM, max_len, cp_size) <= usable:
+        return top * BUDGET_QUANTUM
+    lo, hi = 1, top  # fits at lo, not at hi
     while hi - lo > 1:  # worst_peak grows with the budget: bisect on multiples of the quantum
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if worst_peak(fit, mid * BUDGET_QUANTUM, max_len, cp_size) <= usable else (lo, mid)

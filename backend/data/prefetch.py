@@ -65,6 +65,13 @@ class PrefetchingIterator:
         self._start()
         return data
 
+    def quiesce(self) -> None:
+        """Wait until the window being prepared is ready (it is kept): the wrapped iterator may then
+        be changed, e.g. given a lower token budget, and every rank has planned the same windows
+        with the old one."""
+        if self.pending is not None:
+            self.pending[0].join()
+
     def _settle(self) -> None:
         """Wait for a window being prepared, so the wrapped iterator is not in use."""
         if self.pending is not None:
@@ -97,6 +104,9 @@ class SyncIterator:
         data = next(self.iterator)
         self.last_wait_s = time.perf_counter() - start
         return data
+
+    def quiesce(self) -> None:
+        """Nothing is prepared ahead."""
 
     def state_dict(self) -> dict:
         return self.iterator.state_dict()

@@ -60,12 +60,17 @@ class Placeholder:
         pass
 
 
+#: Shared flat tuples are at most this long (a torch.Size, a planner path): hashing or checking a
+#: shared tuple again must cost little.
+FLAT_TUPLE_MAX = 64
+
+
 def is_atom(obj: Any) -> bool:
     """A value with no parts to recurse into (see the module docstring)."""
     return isinstance(obj, (*_ATOMS, enum.Enum, Placeholder, type, types.FunctionType, types.BuiltinFunctionType))
 
 
-def is_flat_tuple(obj: Any, limit: int = 1 << 16) -> bool:
+def is_flat_tuple(obj: Any, limit: int = FLAT_TUPLE_MAX) -> bool:
     return isinstance(obj, tuple) and len(obj) <= limit and all(is_atom(x) for x in obj)
 
 
@@ -103,7 +108,19 @@ _REFUSED_OPS = {
     op.code.encode("latin-1")[0]: op.name
     for op in pickletools.opcodes
     if op.name
-    in ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "EMPTY_SET", "ADDITEMS", "FROZENSET", "NEXT_BUFFER", "NEWOBJ_EX")
+    in (
+        "INST",
+        "OBJ",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "EMPTY_SET",
+        "ADDITEMS",
+        "FROZENSET",
+        "NEXT_BUFFER",
+        "NEWOBJ_EX",
+        "DUP",  # a second reference without the memo: never written by Python's pickler
+    )
 }
 
 
@@ -166,11 +183,17 @@ class BoundedUnpickler(pickle._Unpickler):
         return obj
 
     def _check_depth(self, root: Any) -> None:
-        stack = [(root, 0)]
+        """Depth at most ``max_depth``, and no container reached twice (the graph is a tree)."""
+        stack, seen = [(root, 0)], set()
         while stack:
             obj, depth = stack.pop()
             if depth > self._max_depth:
                 raise self.refuse(f"objects nested deeper than {self._max_depth}")
+            if is_atom(obj) or is_flat_tuple(obj):
+                continue
+            if id(obj) in seen:
+                raise self.refuse(f"a {type(obj).__name__} reached twice (a shared graph)")
+            seen.add(id(obj))
             if isinstance(obj, list | tuple):
                 stack.extend((x, depth + 1) for x in obj)
             elif isinstance(obj, dict):
@@ -229,6 +252,20 @@ def _check_marked_keys(self: BoundedUnpickler) -> None:
         self._check_key(key)
 
 
+def _check_build(self: BoundedUnpickler) -> None:
+    """BUILD sets state on the object below it: only on an instance, never on a class or function
+    (that would change it for the whole process)."""
+    target = self.stack[-2]
+    if not isinstance(target, Placeholder) and (isinstance(target, type) or is_atom(target) or callable(target)):
+        raise self.refuse(f"BUILD on a {type(target).__name__}")
+
+
+def _check_int(self: BoundedUnpickler) -> None:
+    value = self.stack[-1]
+    if isinstance(value, int) and not -(1 << 64) <= value < 1 << 64:
+        raise self.refuse(f"an integer of {value.bit_length()} bits")
+
+
 def _check_reduce(self: BoundedUnpickler) -> None:
     self._check_args(self.stack[-1])
 
@@ -246,6 +283,9 @@ _wrap("SETITEM", before=_check_setitem)
 _wrap("SETITEMS", before=_check_marked_keys)
 _wrap("DICT", before=_check_marked_keys)
 _wrap("REDUCE", before=_check_reduce)
+_wrap("BUILD", before=_check_build)
+for _name in ("LONG", "LONG1", "LONG4", "INT"):
+    _wrap(_name, after=_check_int)
 _wrap("NEWOBJ", before=_check_reduce)
 for _code, _name in _REFUSED_OPS.items():
     BoundedUnpickler.dispatch[_code] = _refuse(_name)

@@ -43,6 +43,7 @@ MAX_METADATA_BYTES = 1 << 30  # DCP .metadata: 31 KB for the quickstart; ~2 MB f
 MAX_META_JSON_BYTES = 64 << 20  # meta.json: a few KB (the run's config, the data stream's state)
 MAX_RNG_BYTES = 1 << 20  # rng_rank*.pt: 6.6 KB (CPU and CUDA generator states)
 MAX_PLAIN_ENTRY_BYTES = 64 << 20  # a non-tensor DCP entry (an int, a float, a list of param groups)
+MAX_ARCHIVE_PICKLE_BYTES = 8 << 20  # an archive's data.pkl: ~200 bytes for a tensor, KBs for param groups
 
 
 class CheckpointFileError(UnsafeCheckpointError):
@@ -131,6 +132,8 @@ def archive_pickle(data: bytes, where: str) -> bytes:
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
         raise CheckpointFileError(f"{where}: not a torch.save archive ({type(e).__name__})") from None
+    if not data.startswith(b"PK\x03\x04") or min((info.header_offset for info in members), default=0) != 0:
+        raise CheckpointFileError(f"{where}: refusing an archive with data before its first member")
     total = 0
     for info in members:
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
@@ -144,6 +147,10 @@ def archive_pickle(data: bytes, where: str) -> bytes:
     pickles = [info for info in members if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"]
     if len(pickles) != 1:
         raise CheckpointFileError(f"{where}: a torch.save archive holds one data.pkl, found {len(pickles)}")
+    if pickles[0].file_size > MAX_ARCHIVE_PICKLE_BYTES:
+        raise CheckpointFileError(
+            f"{where}: a data.pkl of {pickles[0].file_size:,} bytes (at most {MAX_ARCHIVE_PICKLE_BYTES:,})"
+        )
     return archive.read(pickles[0])
 
 

@@ -50,7 +50,7 @@ def read_meta(path: str | Path) -> dict:
         meta = json.loads(read_regular(file, MAX_META_JSON_BYTES).decode("utf-8"))
     except CheckpointError:
         raise
-    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         raise CheckpointMetaError(f"{file}: unreadable checkpoint metadata ({type(e).__name__})") from None
     validate_meta(meta, file)
     return meta

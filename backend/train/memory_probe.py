@@ -24,13 +24,14 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from backend.batching import PlanArgs, make_planner
 from backend.batching.memory_fit import MemoryFit, fit_memory, resolve_budget, worst_peak
 from backend.data.iterator import StepData, collate_plan
 from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
-from backend.distributed.collectives import dist_max
+from backend.distributed.collectives import dist_max, dist_max_tensor
 
 from .memory_meter import MemoryMeter
 from .step import forward_backward
@@ -94,47 +95,67 @@ def _limit_bytes(cfg, meter: MemoryMeter) -> int:
     return capacity
 
 
+def _probe_data(lengths: list[int], cfg, env, rng) -> tuple[StepData, object]:
+    """One window of synthetic sequences planned as one microbatch on every rank (the same shape)."""
+    cp = env.cp_size
+    samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in lengths]  # any vocabulary
+    dataset = InMemoryDataset(samples, source="memory probe")
+    args = PlanArgs(
+        dp_size=1,
+        cp_size=cp,
+        max_tokens_per_gpu=2 * len(lengths) * max(lengths),  # everything in one microbatch, padded or packed
+        pad_to_multiple=cfg.train.dynamic_batch_pad_to_multiple,
+        layout=cfg.train.dynamic_batch_layout,
+    )
+    one_rank = make_planner("dynamic", args)(list(lengths))
+    if len(one_rank.ranks[0]) != 1:
+        raise RuntimeError(f"memory probe: the window {lengths} did not plan as one microbatch")
+    plan = dataclasses.replace(one_rank, ranks=one_rank.ranks * env.dp_size)
+    ids = np.arange(len(samples))
+    batches = collate_plan(dataset, ids, plan, dp_rank=0, cp_rank=env.cp_rank, cp_size=cp)
+    data = StepData(ids, plan, batches, int(dataset.loss_token_counts.sum()) * env.dp_size, len(samples))
+    return data, plan.ranks[0][0]
+
+
 def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list[int]] | None = None):
-    """(points, fragmentation): each probe shape's (tokens, area, peak bytes) on this rank."""
+    """(points, optimizer floor, fragmentation) on this rank: each probe shape's forward/backward
+    (tokens, area, peak bytes), and the optimizer step's own peak.
+
+    A small unmeasured step first makes the optimizer state, so every measured probe starts from
+    what a real step starts with. On CUDA the cache is emptied before each probe, so a probe's
+    reserved peak is its own, not the previous, larger probe's."""
     cp = env.cp_size
     rng = np.random.default_rng(0)
-    points, ratio = [], 1.0
+    points, floor, ratio = [], 0.0, 1.0
     saved_lr = [g["lr"] for g in optimizer.param_groups]
     had_state = bool(optimizer.state)
-    for lengths in shapes or probe_shapes(cfg.data.max_seq_length):
-        samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in lengths]  # any vocabulary
-        dataset = InMemoryDataset(samples, source="memory probe")
-        args = PlanArgs(
-            dp_size=1,
-            cp_size=cp,
-            max_tokens_per_gpu=2 * len(lengths) * max(lengths),  # everything in one microbatch, padded or packed
-            pad_to_multiple=cfg.train.dynamic_batch_pad_to_multiple,
-            layout=cfg.train.dynamic_batch_layout,
-        )
-        one_rank = make_planner("dynamic", args)(list(lengths))
-        if len(one_rank.ranks[0]) != 1:
-            raise RuntimeError(f"memory probe: the window {lengths} did not plan as one microbatch")
-        plan = dataclasses.replace(one_rank, ranks=one_rank.ranks * env.dp_size)  # every rank: the same shape
-        ids = np.arange(len(samples))
-        batches = collate_plan(dataset, ids, plan, dp_rank=0, cp_rank=env.cp_rank, cp_size=cp)
-        data = StepData(ids, plan, batches, int(dataset.loss_token_counts.sum()) * env.dp_size, len(samples))
-        mb = plan.ranks[0][0]
+    try:
         for g in optimizer.param_groups:
             g["lr"] = 0.0
-        try:
+        warm, _ = _probe_data([min(64, cfg.data.max_seq_length)], cfg, env, rng)
+        forward_backward(model, warm, env, loss_cfg=None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for lengths in shapes or probe_shapes(cfg.data.max_seq_length):
+            data, mb = _probe_data(lengths, cfg, env, rng)
+            if env.device.type == "cuda":
+                torch.cuda.empty_cache()
             with meter.step():
                 forward_backward(model, data, env, loss_cfg=None)
+            if meter.peak_bytes and meter.reserved_bytes:
+                ratio = max(ratio, meter.reserved_bytes / meter.peak_bytes)
+            points.append((float(mb.cost), float(mb.area) / cp, float(meter.peak_bytes)))
+            with meter.step():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        finally:
-            for g, lr in zip(optimizer.param_groups, saved_lr):
-                g["lr"] = lr
-        if meter.peak_bytes and meter.reserved_bytes:
-            ratio = max(ratio, meter.reserved_bytes / meter.peak_bytes)
-        points.append((float(mb.cost), float(mb.area) / cp, float(meter.peak_bytes)))
+            floor = max(floor, float(meter.peak_bytes))
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lr):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
     if not had_state:
         optimizer.state.clear()  # as before the probe: the first real step makes it
-    return points, ratio
+    return points, floor, ratio
 
 
 def attention_materialised(backend: str, device_type: str) -> bool:
@@ -143,18 +164,22 @@ def attention_materialised(backend: str, device_type: str) -> bool:
 
 
 def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter | None = None) -> ProbeResult:
-    """Probe, fit and resolve the budget (the minimum over ranks)."""
+    """Probe, fit and resolve the budget: every rank fits the worst rank's measurements under the
+    smallest rank's limit, so all agree on the budget, or all stop with the same error."""
     start = time.perf_counter()
     meter = meter or MemoryMeter(env.device)
-    points, ratio = run_probes(model, optimizer, cfg, env, meter)
-    ratio = float(dist_max(ratio, env.device))
-    scaled = [(t, a, p * ratio) for t, a, p in points]
-    fit = fit_memory(scaled, attention=attention_materialised(backend, env.device.type))
-    limit = _limit_bytes(cfg, meter)
+    points, floor, ratio = run_probes(model, optimizer, cfg, env, meter)
+    # Every rank fits the worst rank's measurements: one fit, one budget, one decision everywhere.
+    worst = torch.tensor([p for _, _, p in points] + [floor, ratio], dtype=torch.float64, device=env.device)
+    worst = dist_max_tensor(worst).tolist()
+    ratio = worst[-1]
+    scaled = [(t, a, p * ratio) for (t, a, _), p in zip(points, worst)]
+    fit = fit_memory(scaled, attention=attention_materialised(backend, env.device.type), floor=worst[-2] * ratio)
+    limit = int(-dist_max(-_limit_bytes(cfg, meter), env.device))  # the smallest rank's: one decision everywhere
     margin = cfg.train.memory_margin
     cp = env.cp_size
-    budget = resolve_budget(fit, limit, margin, cfg.data.max_seq_length, cp)
-    budget = int(-dist_max(-budget, env.device))  # the minimum over ranks
+    window_tokens = cfg.train.global_batch_size * cfg.data.max_seq_length // cp  # no microbatch holds more
+    budget = resolve_budget(fit, limit, margin, cfg.data.max_seq_length, cp, ceiling=window_tokens)
     return ProbeResult(
         fit=fit,
         points=scaled,

@@ -165,7 +165,12 @@ def read_metadata_file(path: str | os.PathLike) -> dcp_metadata.Metadata:
     except UnreadablePickleError as e:
         reason = str(e).rsplit("(", 1)[-1].rstrip(")")
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({reason})") from None
-    _check_metadata(md, path)
+    try:
+        _check_metadata(md, path)
+    except (AttributeError, TypeError) as e:  # an object built without the fields it should have
+        raise UnsafeCheckpointError(
+            f"{path}: refusing the checkpoint metadata: its objects lack their fields ({type(e).__name__})"
+        ) from None
     return md
 
 
@@ -184,6 +189,8 @@ def _check_metadata(md: Any, path: str) -> None:
             raise bad(f"entry {_describe(key)} is not tensor or bytes storage metadata")
         if isinstance(value, dcp_metadata.TensorStorageMetadata) and not _plain_tensor_entry(value):
             raise bad(f"entry {_describe(key)} has a size, dtype or chunk list that is not plain numbers")
+    if md.storage_meta is not None and type(md.storage_meta) is not dcp_metadata.StorageMeta:
+        raise bad("storage_meta is not a StorageMeta")
     if not isinstance(md.storage_data, dict):
         raise bad("storage_data is not a dict (not written by FileSystemWriter)")
     for index, info in md.storage_data.items():

@@ -114,8 +114,9 @@ class Trainer:
         self.windows = windows = DataIterator(
             self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
+        self.window_source = PrefetchingIterator(windows) if cfg.data.prefetch else SyncIterator(windows)
         self.data = RolloutStream(
-            PrefetchingIterator(windows) if cfg.data.prefetch else SyncIterator(windows),
+            self.window_source,
             env,
             policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
             reference=reference,
@@ -202,6 +203,7 @@ class Trainer:
                 lower,
             )
         if lower < budget:
+            self.window_source.quiesce()  # the window in preparation keeps the old plan on every rank
             self.cfg = dataclasses.replace(
                 self.cfg, train=dataclasses.replace(self.cfg.train, max_tokens_per_gpu=lower)
             )

@@ -138,11 +138,12 @@ def probe_on_rank(rank: int, world: int) -> dict:
     opt = build_optimizer(built.model, cfg.optimizer)
     meter = MemoryMeter(env.device, resident_tensors(built.model, opt))
     result = probe_memory(built.model, opt, cfg, env, backend=built.attention_backend, meter=meter)
-    own = resolve_budget(result.fit, result.limit_bytes, result.margin, cfg.data.max_seq_length)
-    return {"budget": result.budget, "own": own}
+    ceiling = cfg.train.global_batch_size * cfg.data.max_seq_length
+    own = resolve_budget(result.fit, limit * 2**30, result.margin, cfg.data.max_seq_length, ceiling=ceiling)
+    return {"budget": result.budget, "own": own, "a": result.fit.a}
 
 
 def test_ranks_agree_on_the_smallest_budget(tmp_path):
     r0, r1 = run_ranks(probe_on_rank, 2, tmp_path)
     assert r0["own"] < r1["own"]  # rank 0 alone would choose less
-    assert r0["budget"] == r1["budget"] == r0["own"]
+    assert r0["budget"] == r1["budget"] == r0["own"] and r0["a"] == r1["a"]  # one fit, the smaller limit

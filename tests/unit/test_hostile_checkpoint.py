@@ -402,3 +402,33 @@ def test_no_checkpoint_left_names_every_path(ckpt, world, cfg, caplog):
     with within(30), pytest.raises(CheckpointError) as err:
         resume_latest(ckpt, cfg, run.model, run.optimizer, run.scheduler, env=world)
     assert str(ckpt / STEP1) in str(err.value) and str(ckpt / STEP2) in str(err.value)
+
+
+def test_a_dup_bomb_and_a_build_on_a_class_are_refused(ckpt):
+    import pathlib
+
+    md_file = ckpt / STEP2 / ".metadata"
+    md_file.write_bytes(b"\x80\x02}N" + b"2\x86" * 60 + b"K\x01s.")  # DUP: a second reference without the memo
+    with within(5), pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refusing .* the opcode DUP"):
+        read_metadata_file(md_file)
+    # BUILD with slot state on an admitted class would set class attributes for the whole process.
+    name = pathlib.PurePath.name
+    md_file.write_bytes(b"\x80\x02cpathlib\nPurePath\nN}X\x04\x00\x00\x00nameX\x01\x00\x00\x00xs\x86b.")
+    with within(5), pytest.raises(UnsafeCheckpointError, match=r"BUILD on a type"):
+        read_metadata_file(md_file)
+    assert pathlib.PurePath.name is name
+
+
+def test_metadata_objects_without_their_fields_are_refused(ckpt):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md_file = ckpt / STEP2 / ".metadata"
+    bare = Metadata.__new__(Metadata)  # no state_dict_metadata, no storage_data
+    md_file.write_bytes(pickle.dumps(bare))
+    with pytest.raises(UnsafeCheckpointError, match=r"lack their fields \(AttributeError\)"):
+        read_metadata_file(md_file)
+    md = read_metadata_file(ckpt / STEP1 / ".metadata")
+    md.storage_meta = 5
+    md_file.write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeCheckpointError, match="storage_meta is not a StorageMeta"):
+        read_metadata_file(md_file)

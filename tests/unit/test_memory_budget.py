@@ -118,9 +118,10 @@ def test_the_probe_budget_holds_on_held_out_shapes(world, tiny):
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, built.model.parameters())) and not optimizer.state
     # Held-out shapes (not among the probes), each a microbatch a planner could form.
     shapes = [[256] * 3, [200, 120, 90, 60], [40] * 12, [256, 16, 16]]
-    points, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=shapes)
+    points, floor, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=shapes)
     for tokens, area, peak in points:
         assert peak <= result.fit.predict(tokens, area), (tokens, area, peak)
+    assert 0 < floor <= result.fit.floor * 1.05  # the optimizer step's own peak, as probed
 
 
 def test_the_cpu_meter_counts_a_step_not_the_process(world, tiny):
