@@ -67,7 +67,8 @@ class ProbeResult:
     def summary(self) -> str:
         return (
             f"train.max_tokens_per_gpu=auto -> {self.budget:,}: peak = {self.fit.a / 2**20:,.1f} MiB + "
-            f"{self.fit.b / 1024:,.2f} KiB x tokens + {self.fit.c:,.1f} B x attention pairs "
+            f"{self.fit.b / 1024:,.2f} KiB x tokens + {self.fit.c:,.1f} B x attention pairs, at least the "
+            f"optimizer step's {self.fit.floor / 2**20:,.1f} MiB "
             f"(x{self.fragmentation:.2f} fragmentation), worst microbatch {self.predicted_peak_bytes / GIB:.2f} GiB "
             f"of {self.limit_bytes / GIB:.2f} GiB x (1 - {self.margin:g}); probed in {self.seconds:.1f} s"
         )
