@@ -131,7 +131,7 @@ def probe_on_rank(rank: int, world: int) -> dict:
     from backend.train.optim import build_optimizer
 
     env = init_distributed(1)
-    limit = 0.25 if rank == 0 else 0.5  # ranks with different memory: the budget is the smaller one
+    limit = 0.03 if rank == 0 else 0.06  # GiB: ranks with different memory; the budget is the smaller one
     overrides = ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=auto", f"train.memory_limit_gib={limit}"]
     cfg = validate(load_config(str(REPO / "tests" / "configs" / "tiny.yaml"), overrides), world)
     built = build_model(cfg, env, tokenizer_vocab=256)
