@@ -37,7 +37,6 @@ def worker(argv: list[str]) -> int:
     out, steps, config, *overrides = argv
     from backend.config import load_config, validate
     from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.logging.metrics import peak_memory_bytes
     from backend.model import moe_stats
     from backend.train.step import apply_update, forward_backward
     from backend.train.trainer import Trainer
@@ -57,12 +56,15 @@ def worker(argv: list[str]) -> int:
             "num_microbatches": [],
             "padding_efficiency": [],
         }
+        peak = 0
         for _ in range(int(steps)):
             trainer.step += 1
             before = _full_flat(params)
             data, data_time = trainer.next_data()
             start = time.perf_counter()
-            window = forward_backward(trainer.model, data, env, loss_cfg=trainer.cfg.loss)
+            with trainer.meter.step():  # the trainer's memory meter: this step's peak on any device
+                window = forward_backward(trainer.model, data, env, loss_cfg=trainer.cfg.loss)
+            step_peak = trainer.meter.peak_bytes
             loss = window["loss"]
             grad_time = time.perf_counter() - start
             for key, value in window.items():  # the policy loss's metrics (pg_loss, clipfrac, ...)
@@ -72,21 +74,25 @@ def worker(argv: list[str]) -> int:
                 record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
             record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
             start = time.perf_counter()
-            update = apply_update(
-                trainer.model,
-                trainer.optimizer,
-                trainer.scheduler,
-                loss=loss,
-                clip_grad=cfg.optimizer.clip_grad,
-                step=trainer.step,
-            )
+            with trainer.meter.step():
+                update = apply_update(
+                    trainer.model,
+                    trainer.optimizer,
+                    trainer.scheduler,
+                    loss=loss,
+                    clip_grad=cfg.optimizer.clip_grad,
+                    step=trainer.step,
+                )
             step_time = grad_time + time.perf_counter() - start  # the recording is not timed
-            metrics = trainer.log_step(data, {**window, **update, "step_time_s": step_time}, data_time)
+            step_peak = max(step_peak, trainer.meter.peak_bytes)
+            peak = max(peak, step_peak)
+            out_row = {**window, **update, "step_time_s": step_time, "peak_memory_bytes": step_peak}
+            metrics = trainer.log_step(data, out_row, data_time)
             record["update"].append(_full_flat(params) - before)
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
                 record[key].append(metrics[key])
         record["params"] = _full_flat(params)
-        record["peak_memory_bytes"] = int(dist_max(peak_memory_bytes(env.device), env.device))
+        record["peak_memory_bytes"] = int(dist_max(peak, env.device))
         record["world_size"] = env.world_size
         if env.is_main:
             torch.save(record, out)

@@ -8,24 +8,14 @@ row of the step it evaluated. ``read_metrics`` splits the two kinds.
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
-
-import torch
 
 from backend.batching import StepPlan
 
 from .console import ProgressDisplay, format_eval_line, run_totals
 
 EVAL_EVENT = "eval"
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: peak allocated bytes this step. CPU: the process's peak resident set size so far."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def plan_metrics(plan: StepPlan, dp_rank: int) -> dict:

@@ -159,7 +159,7 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
     return points, floor, ratio
 
 
-def attention_materialised(backend: str, device_type: str) -> bool:
+def attention_materialised(backend: str) -> bool:
     """Whether the kernel holds a score matrix (its memory grows with the attention area)."""
     return backend == "sdpa"
 
@@ -175,7 +175,7 @@ def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter
     worst = dist_max_tensor(worst).tolist()
     ratio = worst[-1]
     scaled = [(t, a, p * ratio) for (t, a, _), p in zip(points, worst)]
-    fit = fit_memory(scaled, attention=attention_materialised(backend, env.device.type), floor=worst[-2] * ratio)
+    fit = fit_memory(scaled, attention=attention_materialised(backend), floor=worst[-2] * ratio)
     limit = int(-dist_max(-_limit_bytes(cfg, meter), env.device))  # the smallest rank's: one decision everywhere
     margin = cfg.train.memory_margin
     cp = env.cp_size
