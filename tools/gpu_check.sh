@@ -100,11 +100,14 @@ step() {
 
 step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
 # kernels, then the memory probe (train.max_tokens_per_gpu=auto) on the ~250M model in BF16 and on the
-# exact Qwen3-4B architecture (random weights: the recipe without its checkpoint), one JSON line each.
+# exact Qwen3-4B architecture (random weights: the recipe without its checkpoint), the latter also with
+# full activation recomputation (its b falls; its budget rises), one JSON line each.
 probe_250m="model.hidden_size=1024 model.num_layers=16 model.num_attention_heads=16 model.num_query_groups=4"
-step kernels_memory 130 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
+step kernels_memory 160 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
   && '$py' tools/probe_memory.py configs/quickstart.yaml $probe_250m train.precision=bf16 --json \
-  && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte --json"
+  && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte --json \
+  && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte \
+     model.recompute_granularity=full --json"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
 step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json
 rl_tmp=$(mktemp -d)

@@ -94,8 +94,9 @@ def resolve_budget(
         raise BudgetError(
             f"data.max_seq_length={max_len} does not fit: one sequence of that length is predicted to need "
             f"{singleton / 2**30:.2f} GiB, over the {usable / 2**30:.2f} GiB allowed (train.memory_limit_gib x "
-            f"(1 - train.memory_margin)); raise parallel.context_parallel_size (each rank then holds 1/cp of it), "
-            f"shorten data.max_seq_length, or give the run more memory (train.memory_limit_gib)"
+            f"(1 - train.memory_margin)); recompute activations (model.recompute_granularity=selective or full), "
+            f"raise parallel.context_parallel_size (each rank then holds 1/cp of it), shorten data.max_seq_length, "
+            f"or give the run more memory (train.memory_limit_gib)"
         )
     top = max(1, ceiling // BUDGET_QUANTUM)
     if worst_peak(fit, top * BUDGET_QUANTUM, max_len, cp_size) <= usable:

@@ -17,6 +17,8 @@ from backend.batching import DEFAULT_ATTENTION_WEIGHT, DEFAULT_MICROBATCH_OVERHE
 ATTENTION_KERNELS = ("te", "flex", "sdpa")
 ATTENTION_BACKENDS = ("auto", *ATTENTION_KERNELS)
 OVERLONG_POLICIES = ("error", "truncate", "drop")
+# Activation recomputation (backend.model.recompute): none, the core attention, or whole layers.
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
@@ -110,6 +112,11 @@ class ModelConfig:
     init_method_std: float = 0.02
     # auto: te when Transformer Engine imports and CUDA is present, flex on CUDA, sdpa on CPU.
     attention_backend: str = "auto"
+    # Activation recomputation, memory for time (megatron-core's names): none keeps every
+    # activation; selective recomputes the core attention in backward (drops the score matrix a
+    # materialising kernel keeps: SDPA on CPU); full keeps only each decoder layer's input and
+    # recomputes the layer (about one more forward per step). Same gradients; read by the memory probe.
+    recompute_granularity: str = "none"
     # Tie input embedding and output layer weights.
     tie_embeddings: bool = True
     # ---- GPT-OSS-style attention and mixture of experts (all off by default) ----

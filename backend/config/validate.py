@@ -18,6 +18,7 @@ from .schema import (
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     PRECISIONS,
+    RECOMPUTE_GRANULARITIES,
     ROPE_TYPES,
     SCHEDULE_TYPES,
     WANDB_MODES,
@@ -27,6 +28,7 @@ from .schema import (
 
 _CHOICES = {
     "model.attention_backend": ATTENTION_BACKENDS,
+    "model.recompute_granularity": RECOMPUTE_GRANULARITIES,
     "data.overlong": OVERLONG_POLICIES,
     "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
@@ -146,6 +148,11 @@ def _moe_attention_errors(m) -> list[str]:
             )
         if m.swiglu_limit is not None and m.swiglu_limit <= 0:
             errors.append(f"model.swiglu_limit={m.swiglu_limit}: must be > 0 (or null for no clamp)")
+        if m.recompute_granularity == "full":
+            errors.append(
+                "model.recompute_granularity=full: not with model.num_moe_experts > 0 (the per-sequence aux-loss "
+                "router would see each recomputed forward a second time); use selective"
+            )
     else:
         if m.moe_aux_loss_coeff:
             errors.append("model.moe_aux_loss_coeff: needs model.num_moe_experts > 0")

@@ -285,7 +285,10 @@ def format_startup_summary(info: dict) -> str:
     if info.get("precision"):
         parallel.append(str(info["precision"]))
     rows.append(("parallel", ", ".join(parallel)))
-    rows.append(("attention", info.get("attention_backend")))
+    attention = info.get("attention_backend")
+    if info.get("recompute") not in (None, "none"):
+        attention = f"{attention}, recompute {info['recompute']}"
+    rows.append(("attention", attention))
     lengths = info.get("lengths")
     if lengths is not None and not isinstance(lengths, dict):
         lengths = length_stats(lengths)

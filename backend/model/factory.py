@@ -26,6 +26,7 @@ from backend.distributed.fsdp import wrap_fsdp
 from .attention import resolve_backend
 from .builder import build_gpt, model_fields, padded_vocab
 from .hf.load import load_hf_weights
+from .recompute import apply_recompute
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         model = _meta_model(cfg, vocab, backend)
         _check_no_buffers(model)
         num_parameters = sum(p.numel() for p in model.parameters())
+        apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16)
         model.to_empty(device=env.device)
         if empty:
@@ -100,6 +102,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=cfg.train.seed
         )
         num_parameters = sum(p.numel() for p in model.parameters())
+        apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16)
         source = f"initialised from train.seed={cfg.train.seed}"
     if env.is_main:
@@ -113,6 +116,6 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             fields["model_type"] or "custom",
             source,
             "bf16" if bf16 else "fp32",
-            backend,
+            backend if m.recompute_granularity == "none" else f"{backend}, recompute {m.recompute_granularity}",
         )
     return BuiltModel(model, backend, num_parameters, vocab, bf16, fields)

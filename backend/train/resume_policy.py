@@ -8,9 +8,10 @@ sections compare as dotted keys (``logger.wandb.project``).
 
 Refused (the checkpoint would continue a different run):
 
-- ``model.*`` except ``model.attention_backend``: the architecture, vocabulary or initialisation
-  of the checkpointed weights. The attention backend is an implementation of the same function
-  (te, flex and sdpa agree to float rounding), so it may change, e.g. a CPU run resumed on a GPU.
+- ``model.*`` except ``model.attention_backend`` and ``model.recompute_granularity``: the
+  architecture, vocabulary or initialisation of the checkpointed weights. The attention backend is
+  an implementation of the same function (te, flex and sdpa agree to float rounding), so it may
+  change, e.g. a CPU run resumed on a GPU; recomputation trades memory for time and changes no value.
 - ``data.path``, ``data.tokenizer``, ``data.json_key``, ``data.max_seq_length``, ``data.overlong``,
   ``data.append_eod``: which samples exist and their tokens; the saved stream position would index
   other samples.
@@ -76,6 +77,7 @@ _REFUSED_KEYS = {
 }
 _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
+    "model.recompute_granularity": "memory for time; the same activations, the same gradient",
     "train.train_iters": "the run's length; the LR schedule follows the new horizon from here",
     "train.micro_batch_size": "microbatching only; same windows, same gradient",
     "train.dynamic_batch_enable": "microbatching only; same windows, same gradient",

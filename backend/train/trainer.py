@@ -253,6 +253,7 @@ class Trainer:
             "device": env.device.type,
             "precision": cfg.train.precision,
             "attention_backend": self.backend,
+            "recompute": cfg.model.recompute_granularity,
             "data_source": source,
             "lengths": length_stats(self.dataset.lengths),
             "max_seq_length": cfg.data.max_seq_length,

@@ -41,6 +41,16 @@ def test_round_trip_yaml_defaults_and_overrides(tmp_path):
             1,
             "model.attention_backend='xformers': allowed values are auto, te, flex, sdpa",
         ),
+        (
+            ["model.recompute_granularity=some"],
+            1,
+            "model.recompute_granularity='some': allowed values are none, selective, full",
+        ),
+        (
+            ["model.recompute_granularity=full", "model.num_moe_experts=4"],
+            1,
+            "model.recompute_granularity=full: not with model.num_moe_experts > 0",
+        ),
         (["data.overlong=skip"], 1, "data.overlong='skip': allowed values are error, truncate, drop"),
         (["logger.wandb.mode=cloud"], 1, "logger.wandb.mode='cloud': allowed values are online, offline, disabled"),
         (["train.global_batch_size=0"], 1, "train.global_batch_size=0: must be >= 1"),

@@ -159,6 +159,8 @@ def test_startup_summary_names_model_parallelism_attention_data_and_budget():
     assert "20 (resuming after step 10)" in text and "wsd, warm-up 3" in text
     fixed = format_startup_summary({"batching": {"dynamic": False, "micro_batch_size": 2}})
     assert "fixed micro-batch size 2" in fixed and "model" not in fixed  # missing keys are left out
+    recomputing = format_startup_summary({"attention_backend": "te", "recompute": "full"})
+    assert "attention  te, recompute full" in recomputing
 
 
 def test_end_summary_with_and_without_validation():

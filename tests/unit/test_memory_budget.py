@@ -65,8 +65,10 @@ def test_the_budget_is_the_largest_that_fits():
 
 
 def test_a_sequence_that_cannot_fit_alone_names_what_to_change():
-    with pytest.raises(BudgetError, match=r"data.max_seq_length=65536 does not fit: .* GiB, over the .* GiB"):
+    with pytest.raises(BudgetError, match=r"data.max_seq_length=65536 does not fit: .* GiB, over the .* GiB") as err:
         resolve_budget(TRUE, 16 * 2**30, 0.1, 65536)
+    for key in ("model.recompute_granularity", "parallel.context_parallel_size", "train.memory_limit_gib"):
+        assert key in str(err.value)
     assert resolve_budget(TRUE, 16 * 2**30, 0.1, 65536, cp_size=4) > 0  # CP splits the singleton
 
 
@@ -89,8 +91,7 @@ def test_no_planned_microbatch_is_predicted_over_the_limit(lengths, gib, cp, lay
             assert TRUE.predict(mb.cost, mb.area / cp) <= limit * (1 - margin) + 1e-6
 
 
-@pytest.fixture(scope="module")
-def tiny(world):
+def build_tiny(world, recompute: str = "none"):
     cfg = validate(
         load_config(
             TINY,
@@ -99,12 +100,29 @@ def tiny(world):
                 "train.max_tokens_per_gpu=auto",
                 "train.memory_limit_gib=0.5",
                 "data.max_seq_length=256",
+                f"model.recompute_granularity={recompute}",
             ],
         )
     )
     built = build_model(cfg, world, tokenizer_vocab=256)
     optimizer = build_optimizer(built.model, cfg.optimizer)
     return cfg, built, optimizer
+
+
+@pytest.fixture(scope="module")
+def tiny(world):
+    return build_tiny(world)
+
+
+@pytest.fixture(scope="module")
+def probed(world, tiny):
+    """The probe's result on the tiny model without recomputation (shared: it takes ~1 s)."""
+    cfg, built, optimizer = tiny
+    meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
+    return probe_memory(built.model, optimizer, cfg, world, backend=built.attention_backend, meter=meter)
+
+
+HELD_OUT = [[256] * 3, [200, 120, 90, 60], [40] * 12, [256, 16, 16]]  # microbatches a planner could form
 
 
 def test_the_probe_budget_holds_on_held_out_shapes(world, tiny):
@@ -116,12 +134,28 @@ def test_the_probe_budget_holds_on_held_out_shapes(world, tiny):
     assert result.predicted_peak_bytes <= 0.5 * 2**30 * 0.9
     # The probe leaves weights exactly as they were and the optimizer without state.
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, built.model.parameters())) and not optimizer.state
-    # Held-out shapes (not among the probes), each a microbatch a planner could form.
-    shapes = [[256] * 3, [200, 120, 90, 60], [40] * 12, [256, 16, 16]]
-    points, floor, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=shapes)
+    points, floor, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=HELD_OUT)
     for tokens, area, peak in points:
         assert peak <= result.fit.predict(tokens, area), (tokens, area, peak)
     assert 0 < floor <= result.fit.floor * 1.05  # the optimizer step's own peak, as probed
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_lowers_the_fit_and_its_budget_holds(world, probed, recompute):
+    """selective drops the score matrix SDPA keeps (c -> ~0); full keeps only each layer's input
+    (b falls by over a quarter: 19.7 -> 12.4 KiB a token on the tiny model). Either way the probe's
+    budget still holds on held-out shapes."""
+    cfg, built, optimizer = build_tiny(world, recompute)
+    meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
+    result = probe_memory(built.model, optimizer, cfg, world, backend=built.attention_backend, meter=meter)
+    if recompute == "selective":
+        assert result.fit.c < 0.1 * probed.fit.c and result.fit.b <= probed.fit.b * 1.02
+    else:
+        assert result.fit.b < 0.75 * probed.fit.b
+    assert result.predicted_peak_bytes < probed.predicted_peak_bytes
+    points, _, _ = run_probes(built.model, optimizer, cfg, world, meter, shapes=HELD_OUT)
+    for tokens, area, peak in points:
+        assert peak <= result.fit.predict(tokens, area), (tokens, area, peak)
 
 
 def test_the_cpu_meter_counts_a_step_not_the_process(world, tiny):

@@ -73,6 +73,7 @@ def test_changes_to_the_model_the_stream_or_the_layout_are_refused(key, value):
     "key, value",
     [
         ("model__attention_backend", "sdpa"),
+        ("model__recompute_granularity", "full"),
         ("optimizer__lr", 1e-4),
         ("optimizer__clip_grad", 0.0),
         ("scheduler__warmup_iters", 10),
