@@ -10,7 +10,8 @@
 #    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports, GPT-OSS
 #    sinks + sliding windows + MoE on flex (FP32) and on TE's softmax_type="learnable" (BF16)), the
 #    FlexAttention compile count with and without shape buckets and the MoE experts' grouped GEMM
-#    against a per-expert loop (tools/bench_moe_experts.py), tools/bench_train.py on the GPU
+#    against a per-expert loop (tools/bench_moe_experts.py), the memory probe and adversarial steps
+#    at its budget, tools/bench_train.py on the GPU
 #    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
 #    (random weights, the short set), and the policy loss's check (tools/compare_arms.py with
@@ -101,13 +102,18 @@ step() {
 step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
 # kernels, then the memory probe (train.max_tokens_per_gpu=auto) on the ~250M model in BF16 and on the
 # exact Qwen3-4B architecture (random weights: the recipe without its checkpoint), the latter also with
-# full activation recomputation (its b falls; its budget rises), one JSON line each.
+# full activation recomputation (its b falls; its budget rises), one JSON line each; then adversarial
+# steps at the ~250M model's resolved budget under set_per_process_memory_fraction(0.5): windows of
+# only 2,048-token rows, one among short rows, only short rows (tools/memory_adversary.py: exit 1
+# if a step measures over its prediction; "1.15x over" says the budget leaves no large slack).
 probe_250m="model.hidden_size=1024 model.num_layers=16 model.num_attention_heads=16 model.num_query_groups=4"
-step kernels_memory 160 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
+step kernels_memory 230 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
   && '$py' tools/probe_memory.py configs/quickstart.yaml $probe_250m train.precision=bf16 --json \
   && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte --json \
   && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte \
-     model.recompute_granularity=full --json"
+     model.recompute_granularity=full --json \
+  && '$py' tools/memory_adversary.py configs/quickstart.yaml $probe_250m train.precision=bf16 data.max_seq_length=2048 \
+     train.global_batch_size=256 --fraction 0.5 --steps 12"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
 step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json
 rl_tmp=$(mktemp -d)
@@ -125,6 +131,7 @@ files=$(find "$out" -maxdepth 1 -type f ! -name summary.txt | wc -l)
   cat "$results"
   grep -hE "^device |^cost model|speedup vs mbs1|^flex compile|^experts speedup" "$out"/*.log || echo "bench: no result lines"
   grep -h '"max_tokens_per_gpu"' "$out/kernels_memory.log" 2> /dev/null | cut -c1-200 || true
+  grep -hE "^(long|singleton|short) |prediction$" "$out/kernels_memory.log" 2> /dev/null || true
   # one line per policy arm: "policy fixed vs packed: loss_rel_diff=... grad_cosine=... ..."
   awk '/^-- fixed vs/ { arm = $4 } /^(loss_rel_diff|grad_cosine|update_cosine|rel_update_diff) / { v[arm] = v[arm] " " $1 "=" $2 }
     END { for (a in v) print "policy fixed vs " a ":" v[a] }' "$out/policy_arms.log" 2> /dev/null || true

@@ -208,3 +208,17 @@ def test_a_step_over_its_prediction_warns_and_lowers_the_budget(world, tmp_path,
     lowered = trainer.cfg.train.max_tokens_per_gpu
     assert lowered <= first < budget and first % 64 == 0  # lowered, never raised
     assert trainer.windows.planner.keywords["args"].max_tokens_per_gpu == lowered  # the windows planned next
+
+
+def test_adversarial_windows_stay_under_the_prediction(world, tmp_path):
+    """The CPU mirror of gpu_check's adversarial run (tools/memory_adversary.py): windows of only
+    maximum-length rows, one maximum-length row among short ones, only short rows, each trained at
+    the budget auto resolves under a limit small enough that the window cap does not bind."""
+    from backend.bench.memory_adversary import PHASES, run_phase
+
+    for kind in PHASES:
+        phase = run_phase(TINY, ["train.memory_limit_gib=0.05"], kind, 2, tmp_path, world)
+        assert phase["within_prediction"], phase
+        assert phase["tight"], phase  # 1.15x the budget would be predicted over the limit
+        assert phase["final_budget"] == phase["budget"] < 16 * 256  # not lowered; under the window cap
+        assert all(s["peak_memory_bytes"] <= 0.05 * 2**30 * 0.9 for s in phase["steps"])
