@@ -15,7 +15,7 @@ from .chat import LazyChatRenderer, chat_template_dir
 from .embedded import build_embedded, cut_report
 from .errors import DataError, DataFileError, DataNotFoundError
 from .indexed import IndexedTokenDataset, indexed_exists, token_dtype, write_indexed
-from .jsonl import InMemoryDataset, RowParser, read_jsonl
+from .jsonl import InMemoryDataset, RowParser, jsonl_rows
 from .overlong import LengthLimitedDataset
 from .row_fields import RowFields
 from .tokenizers import build_tokenizer
@@ -53,14 +53,15 @@ def build_dataset(data_cfg, fields: RowFields = CROSS_ENTROPY) -> tuple[LengthLi
             raise DataNotFoundError(f"data.path: no such file {path}")
         chat = LazyChatRenderer(chat_template_dir(data_cfg.tokenizer))
         ignored: Counter = Counter()
-        samples = list(
-            read_jsonl(
-                path, tokenizer, data_cfg.json_key, chat=chat, append_eod=append_eod, fields=fields, ignored=ignored
-            )
-        )
+        parse = RowParser(tokenizer, data_cfg.json_key, chat, append_eod=append_eod, fields=fields, ignored=ignored)
+        rows, samples = 0, []
+        for where, row in jsonl_rows(path):
+            rows += 1
+            samples.extend(parse(row, where))
         if not samples:
             raise DataFileError(f"{path}: no samples (the file is empty or blank); point data.path at a data file")
         base = InMemoryDataset(samples, source=path, ignored_fields=ignored)
+        base.note = rows_note(rows, len(samples))
     elif is_arrow_source(path):
         base = arrow_dataset(data_cfg, tokenizer, fields)
     elif indexed_exists(path):
@@ -150,9 +151,18 @@ def arrow_dataset(data_cfg, tokenizer, fields: RowFields) -> IndexedTokenDataset
     base = IndexedTokenDataset(prefix, fields)
     base.source = str(path)
     base.ignored_fields = dict(info["ignored"])
-    if info["samples"] != info["rows"]:
-        base.note = f"{info['rows']:,} rows as {info['samples']:,} samples: one per assistant turn where the chat template rewrites earlier turns"
+    base.note = rows_note(info["rows"], info["samples"])
     return base
+
+
+def rows_note(rows: int, samples: int) -> str:
+    """What the start-up summary says when rows became more samples (a chat template that rewrites
+    earlier turns gives one sample per assistant turn), else nothing."""
+    if samples == rows:
+        return ""
+    return (
+        f"{rows:,} rows as {samples:,} samples: one per assistant turn where the chat template rewrites earlier turns"
+    )
 
 
 def _template_stamp(template_dir: Path | None) -> list:

@@ -239,3 +239,21 @@ def test_messages_rows_in_training_data_and_preprocess(tmp_path):
     data_cfg.tokenizer = "byte"
     with pytest.raises(DataFormatError, match=r"chat.jsonl:1: a 'messages' row needs a chat template"):
         build_dataset(data_cfg)
+
+
+def test_rows_that_became_more_samples_are_reported(tmp_path):
+    """A rewriting template turns one JSONL row into one sample per assistant turn; the dataset's
+    note (shown in the start-up summary) says how many rows became how many samples."""
+    from types import SimpleNamespace
+
+    from backend.data.build import build_dataset
+
+    tok = _tokenizer_dir(tmp_path, QWEN_LIKE, "jinja")
+    rows = tmp_path / "agent.jsonl"
+    rows.write_text(json.dumps({"messages": AGENT}) + "\n" + json.dumps({"messages": AGENT[:2]}) + "\n")
+    data_cfg = SimpleNamespace(
+        tokenizer=str(tok), path=str(rows), json_key="text", max_seq_length=512, overlong="error", cache_dir=""
+    )
+    dataset, _ = build_dataset(data_cfg)
+    assert len(dataset) == 4
+    assert dataset.note == "2 rows as 4 samples: one per assistant turn where the chat template rewrites earlier turns"
