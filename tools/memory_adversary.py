@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps over the three phases (default 20)")
     p.add_argument("--fraction", type=float, default=0.0, help="CUDA only: cap the allocator at this fraction")
     p.add_argument("--json", action="store_true", help="print one JSON object after the table")
+    p.add_argument(
+        "--workdir",
+        default="",
+        help="rows and runs go here (default: a temporary directory; over several nodes give one every rank sees)",
+    )
     args = p.parse_intermixed_args(argv)
 
     import torch
@@ -49,14 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.memory_limit_gib={total * args.fraction / 2**30:.3f}")
     per_phase = [args.steps // len(PHASES) + (i < args.steps % len(PHASES)) for i in range(len(PHASES))]
     with tempfile.TemporaryDirectory(prefix="memory_adversary_") as tmp:
-        work = Path(tmp)
-        if env.world_size > 1:  # one directory for every rank: rank 0's
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if env.world_size > 1:
             import torch.distributed as dist
 
             box = [str(work)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0)  # rank 0's directory for every rank (one node, or shared)
             work = Path(box[0])
         phases = [run_phase(args.config, overrides, kind, n, work, env) for kind, n in zip(PHASES, per_phase) if n]
+        if env.world_size > 1:
+            dist.barrier()  # no rank still reads rank 0's directory when it is removed
     ok = all(p["within_prediction"] for p in phases)
     if env.is_main:
         print(format_table(phases))

@@ -150,8 +150,9 @@ def _moe_attention_errors(m) -> list[str]:
             errors.append(f"model.swiglu_limit={m.swiglu_limit}: must be > 0 (or null for no clamp)")
         if m.recompute_granularity == "full":
             errors.append(
-                "model.recompute_granularity=full: not with model.num_moe_experts > 0 (the per-sequence aux-loss "
-                "router would see each recomputed forward a second time); use selective"
+                "model.recompute_granularity=full: not with model.num_moe_experts > 0 (a router recomputed in "
+                "backward runs without the microbatch's routing context, so padding would be routed and the "
+                "recomputation would not match the forward); use selective"
             )
     else:
         if m.moe_aux_loss_coeff:

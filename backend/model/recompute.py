@@ -15,7 +15,11 @@ How: torch's composable ``checkpoint`` (non-reentrant, hooks only), applied befo
 the layers, as torchtitan orders them. It keeps every parameter's name (state dicts, checkpoints
 and the HF maps are unchanged) and, unlike megatron-core's own ``CheckpointFunction``, needs no
 CUDA RNG tracker, so the same path runs on CPU. The recomputed forward sees the same inputs and
-RNG state, so activations and gradients are the same values (bitwise on CPU, tested).
+RNG state, so activations and gradients are the same values (bitwise on CPU, tested; on 2 ranks
+with CP 2, packed, in tests/distributed/test_context_parallel.py). One caveat kept in view:
+megatron-core calls a layer with keyword arguments only, and checkpoint looks for CUDA tensors among
+the positional ones, so it would not restore the CUDA RNG state for a recomputed dropout; the
+builder sets every dropout to 0 (``builder.py``), so no recomputed op draws random numbers.
 """
 
 from __future__ import annotations

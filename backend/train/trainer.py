@@ -175,21 +175,23 @@ class Trainer:
             train = dataclasses.replace(train, forward_max_tokens_per_gpu=budget)
         return dataclasses.replace(cfg, train=train)
 
-    def check_memory(self, data: StepData, peak: int) -> float | None:
+    def check_memory(self, data: StepData, peak: int) -> dict:
         """The step's measured peak against the fit's prediction for its largest microbatch; over by
         more than 5% on any rank: a warning with both numbers, and with ``auto`` a lower budget for
-        the windows planned from now on (never a higher one). Returns this rank's prediction
-        (None without ``auto``), which the step row records beside the measured peak."""
+        the windows planned from now on (never a higher one). Returns what the step row records
+        beside the measured peak (nothing without ``auto``): this rank's prediction and the worst
+        rank's measured / predicted ratio."""
         if self.memory is None:
-            return None
+            return {}
         cp = self.env.cp_size
         predicted = max(
             (self.memory.fit.predict(mb.cost, mb.area / cp) for mb in data.plan.microbatches(self.env.dp_rank)),
             default=self.memory.fit.a,
         )
         ratio = float(dist_max(peak / predicted, self.env.device))
+        row = {"predicted_peak_bytes": predicted, "peak_over_prediction_max_rank": ratio}
         if ratio <= 1.05:
-            return predicted
+            return row
         budget = self.cfg.train.max_tokens_per_gpu
         lower = max(BUDGET_QUANTUM, int(budget / ratio) // BUDGET_QUANTUM * BUDGET_QUANTUM)
         if self.env.is_main:
@@ -211,7 +213,7 @@ class Trainer:
             self.windows.planner = planner_from_config(
                 self.cfg.train, dp_size=self.env.dp_size, cp_size=self.env.cp_size, bucket_edges=self.bucket_edges
             )
-        return predicted
+        return row
 
     def write_run_record(self) -> None:
         """config.yaml (the config this run trains with) and world.json, written only by a start that
@@ -347,9 +349,7 @@ class Trainer:
                 loss_cfg=self.cfg.loss,
             )
         out["peak_memory_bytes"] = self.meter.peak_bytes
-        predicted = self.check_memory(data, self.meter.peak_bytes)
-        if predicted is not None:
-            out["predicted_peak_bytes"] = predicted
+        out.update(self.check_memory(data, self.meter.peak_bytes))
         return self.log_step(data, out, data_time)
 
     def next_data(self) -> tuple[StepData, float]:

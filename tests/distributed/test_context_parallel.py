@@ -31,6 +31,13 @@ def cp_arms(tmp_path_factory, embedded_cache):
         "dynamic_dp2_cp2": arm("dynamic_dp2_cp2", dynamic, 2, 4),
         "dynamic_dp1_cp1": arm("dynamic_dp1_cp1", dynamic, 1, 1),
         "dynamic_dp1_cp4": arm("dynamic_dp1_cp4", dynamic, 4, 4),
+        # Full recomputation re-runs each layer (its CP all-gather included) in backward, on 2 ranks.
+        "recompute_dp1_cp2": arm(
+            "recompute_dp1_cp2",
+            dynamic + ["model.recompute_granularity=full", "train.dynamic_batch_layout=packed"],
+            2,
+            2,
+        ),
     }
 
 
@@ -42,3 +49,10 @@ def test_dp2_cp2_matches_dp2_cp1(cp_arms, kind):
 def test_dp1_cp4_matches_dp1_cp1(cp_arms):
     assert cp_arms["dynamic_dp1_cp4"]["world_size"] == 4
     assert_same_training(compare(cp_arms["dynamic_dp1_cp1"], cp_arms["dynamic_dp1_cp4"]))
+
+
+def test_full_recomputation_under_cp2_packed_trains_the_same(cp_arms):
+    """FSDP2 over 2 ranks, CP 2, packed rows, every layer recomputed in backward: the same training
+    as cp 1 without recomputation (to FP32 noise, as every CP arm)."""
+    assert cp_arms["recompute_dp1_cp2"]["world_size"] == 2
+    assert_same_training(compare(cp_arms["dynamic_dp1_cp1"], cp_arms["recompute_dp1_cp2"]))

@@ -8,6 +8,7 @@ microbatch shapes at that budget measure at or under the prediction.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -222,3 +223,6 @@ def test_adversarial_windows_stay_under_the_prediction(world, tmp_path):
         assert phase["tight"], phase  # 1.15x the budget would be predicted over the limit
         assert phase["final_budget"] == phase["budget"] < 16 * 256  # not lowered; under the window cap
         assert all(s["peak_memory_bytes"] <= 0.05 * 2**30 * 0.9 for s in phase["steps"])
+        assert not any((tmp_path / kind / "checkpoints").glob("step_*"))  # a benchmark writes no checkpoint
+    rows = [json.loads(line) for line in (tmp_path / "singleton.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and sorted(len(r["input_ids"]) for r in rows)[-2:][0] <= 64  # one long row per window
