@@ -96,16 +96,18 @@ def test_a_window_without_loss_tokens_is_an_error_and_no_update(tmp_path):
 
 def test_ctrl_c_saves_and_a_restart_logs_each_step_once(tmp_path, embedded_cache):
     run = tmp_path / "run"
-    overrides = ["train.train_iters=5", "checkpoint.interval=0"]
-    proc = one(run, embedded_cache, overrides)
+    proc = one(run, embedded_cache, ["train.train_iters=50", "checkpoint.interval=0"])
     wait_for(lambda: len(metrics(run)) >= 2 or proc.poll() is not None)
-    proc.send_signal(signal.SIGINT)  # during step 3
+    proc.send_signal(signal.SIGINT)  # after step 2: the step boundary it reaches next saves (2, 3 or later)
     assert finish(proc) == 130, logs(run)
-    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003"]
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1, saved
+    n = int(saved[0].removeprefix("step_"))
+    assert n >= 2 and steps(run) == list(range(1, n + 1)), logs(run)
     with (run / "metrics.jsonl").open("a") as f:  # a crash mid-write after the checkpoint
-        f.write('{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
-    assert finish(one(run, embedded_cache, overrides)) == 0, logs(run)
-    assert steps(run) == [1, 2, 3, 4, 5]
+        f.write(f'{{"step": {n + 1}, "loss": 1.0}}\n{{"step": {n + 2}, "lo')
+    assert finish(one(run, embedded_cache, [f"train.train_iters={n + 2}", "checkpoint.interval=0"])) == 0, logs(run)
+    assert steps(run) == list(range(1, n + 3))
 
 
 @pytest.mark.parametrize("damage", ["truncated_distcp", "corrupt_meta"])
