@@ -33,7 +33,7 @@ from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
 from backend.distributed.collectives import dist_max, dist_max_tensor
 
-from .memory_meter import MemoryMeter
+from .memory_meter import MemoryMeter, resident_tensors
 from .step import forward_backward
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,7 @@ def _limit_bytes(cfg, meter: MemoryMeter) -> int:
     return capacity
 
 
-def _probe_data(lengths: list[int], cfg, env, rng) -> tuple[StepData, object]:
-    """One window of synthetic sequences planned as one microbatch on every rank (the same shape)."""
-    cp = env.cp_size
-    samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in lengths]  # any vocabulary
-    dataset = InMemoryDataset(samples, source="memory probe")
+def _one_microbatch(lengths: list[int], cfg, cp: int):
     args = PlanArgs(
         dp_size=1,
         cp_size=cp,
@@ -111,11 +107,33 @@ def _probe_data(lengths: list[int], cfg, env, rng) -> tuple[StepData, object]:
     one_rank = make_planner("dynamic", args)(list(lengths))
     if len(one_rank.ranks[0]) != 1:
         raise RuntimeError(f"memory probe: the window {lengths} did not plan as one microbatch")
-    plan = dataclasses.replace(one_rank, ranks=one_rank.ranks * env.dp_size)
+    return one_rank
+
+
+def _probe_data(lengths: list[int], cfg, env, rng, lead: list[int] | None = None) -> tuple[StepData, object]:
+    """One window of synthetic sequences planned as one microbatch on every rank (the same shape).
+
+    ``lead``: first a microbatch of one sequence of that length, so the probed microbatch runs as
+    a real step's second (or later) one does: with the gradients of the earlier microbatches
+    already held (unsharded while FSDP2's gradient sync waits for the last microbatch) and the
+    reduce-scatter at its end. A step's first microbatch holds no gradients yet; probed alone it
+    measured 7% under a later microbatch of the same shape (the quickstart at 0.5 GiB, one
+    1,024-token row among short ones: 48.1 MiB measured against 44.9 MiB predicted)."""
+    cp = env.cp_size
+    lead = list(lead or [])
+    samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in [*lengths, *lead]]
+    dataset = InMemoryDataset(samples, source="memory probe")  # any vocabulary: ids below 256
+    one_rank = _one_microbatch(lengths, cfg, cp)
+    rank = one_rank.ranks[0]
+    if lead:
+        first = _one_microbatch(lead, cfg, cp).ranks[0][0]
+        indices = tuple(len(lengths) + i for i in first.indices)
+        rank = (dataclasses.replace(first, indices=indices), *rank)
+    plan = dataclasses.replace(one_rank, ranks=(rank,) * env.dp_size)
     ids = np.arange(len(samples))
     batches = collate_plan(dataset, ids, plan, dp_rank=0, cp_rank=env.cp_rank, cp_size=cp)
     data = StepData(ids, plan, batches, int(dataset.loss_token_counts.sum()) * env.dp_size, len(samples))
-    return data, plan.ranks[0][0]
+    return data, plan.ranks[0][-1]
 
 
 def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list[int]] | None = None):
@@ -123,7 +141,8 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
     (tokens, area, peak bytes), and the optimizer step's own peak.
 
     A small unmeasured step first makes the optimizer state, so every measured probe starts from
-    what a real step starts with. On CUDA the cache is emptied before each probe, so a probe's
+    what a real step starts with; each probe then runs as a step's second microbatch, after a
+    64-token one (see ``_probe_data``), the worst place in a step for memory. On CUDA the cache is emptied before each probe, so a probe's
     reserved peak is its own, not the previous, larger probe's."""
     cp = env.cp_size
     rng = np.random.default_rng(0)
@@ -137,8 +156,12 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
         forward_backward(model, warm, env, loss_cfg=None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        # Made outside a metered step, so the CPU meter would not count the optimizer state that
+        # every real step after the first holds (2 x the parameters for AdamW: 3.2 MiB on the
+        # quickstart model, the whole of a 7% under-prediction the adversarial run found).
+        meter.track(resident_tensors(model, optimizer))
         for lengths in shapes or probe_shapes(cfg.data.max_seq_length):
-            data, mb = _probe_data(lengths, cfg, env, rng)
+            data, mb = _probe_data(lengths, cfg, env, rng, lead=[min(64, cfg.data.max_seq_length)])
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
             with meter.step():
@@ -159,6 +182,20 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
     return points, floor, ratio
 
 
+# Bytes per token of a collated microbatch with every optional field (MicrobatchTensors: tokens,
+# labels, position and segment ids int64; loss mask and weight, advantages, old / reference
+# log-probabilities, sequence targets float32; valid bool): 4 x 8 + 6 x 4 + 1 = 57, rounded up.
+INPUT_BYTES_PER_TOKEN = 64
+
+
+def window_input_bytes(cfg, cp_size: int) -> int:
+    """An upper bound on the collated input tensors a rank holds through a step: the whole window
+    at the longest length (the quickstart: 32 x 1,024 tokens x 64 B = 2 MiB). The probe's own
+    microbatch holds only its share, and the adversarial run measured the difference (0.5 MiB over
+    the line on a window of 1,024-token rows)."""
+    return cfg.train.global_batch_size * cfg.data.max_seq_length // cp_size * INPUT_BYTES_PER_TOKEN
+
+
 def attention_materialised(backend: str) -> bool:
     """Whether the kernel holds a score matrix (its memory grows with the attention area)."""
     return backend == "sdpa"
@@ -176,6 +213,9 @@ def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter
     ratio = worst[-1]
     scaled = [(t, a, p * ratio) for (t, a, _), p in zip(points, worst)]
     fit = fit_memory(scaled, attention=attention_materialised(backend), floor=worst[-2] * ratio)
+    # A step holds its whole window's collated inputs, a probe only its own microbatch's.
+    inputs = window_input_bytes(cfg, env.cp_size)
+    fit = dataclasses.replace(fit, a=fit.a + inputs, floor=fit.floor + inputs)
     limit = int(-dist_max(-_limit_bytes(cfg, meter), env.device))  # the smallest rank's: one decision everywhere
     margin = cfg.train.memory_margin
     cp = env.cp_size
