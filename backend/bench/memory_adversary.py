@@ -50,6 +50,7 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
     import gc
 
     import torch
+    import torch.distributed as dist
 
     from backend.batching.memory_fit import worst_peak
     from backend.config import load_config, validate
@@ -82,8 +83,6 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
         ],
     )
     if env.world_size > 1:
-        import torch.distributed as dist
-
         dist.barrier()  # the rows file is written before any rank reads it
     trainer = Trainer(validate(cfg, env.world_size), env)
     trainer.should_save = lambda: False  # a benchmark: no checkpoint (interval 0 still saves the last step)
@@ -97,8 +96,6 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if env.world_size > 1:
-        import torch.distributed as dist
-
         dist.barrier()  # rank 0's metrics.jsonl is complete before any rank reads it
     steps_out = [
         {

@@ -113,12 +113,11 @@ def _one_microbatch(lengths: list[int], cfg, cp: int):
 def _probe_data(lengths: list[int], cfg, env, rng, lead: list[int] | None = None) -> tuple[StepData, object]:
     """One window of synthetic sequences planned as one microbatch on every rank (the same shape).
 
-    ``lead``: first a microbatch of one sequence of that length, so the probed microbatch runs as
-    a real step's second (or later) one does: with the gradients of the earlier microbatches
-    already held (unsharded while FSDP2's gradient sync waits for the last microbatch) and the
-    reduce-scatter at its end. A step's first microbatch holds no gradients yet; probed alone it
-    measured 7% under a later microbatch of the same shape (the quickstart at 0.5 GiB, one
-    1,024-token row among short ones: 48.1 MiB measured against 44.9 MiB predicted)."""
+    ``lead``: the lengths of a microbatch run first, so the probed microbatch runs as a real step's
+    second (or later) one does: with the gradients of the earlier microbatches already held
+    (unsharded while FSDP2's gradient sync waits for the last microbatch) and the reduce-scatter at
+    its end. A step's first microbatch holds no gradients yet; probed alone, the quickstart's line
+    sat about 1.5 MiB (its gradients) under a later microbatch of the same shape."""
     cp = env.cp_size
     lead = list(lead or [])
     samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in [*lengths, *lead]]
@@ -142,8 +141,8 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
 
     A small unmeasured step first makes the optimizer state, so every measured probe starts from
     what a real step starts with; each probe then runs as a step's second microbatch, after a
-    64-token one (see ``_probe_data``), the worst place in a step for memory. On CUDA the cache is emptied before each probe, so a probe's
-    reserved peak is its own, not the previous, larger probe's."""
+    64-token one (see ``_probe_data``), the worst place in a step for memory. On CUDA the cache is
+    emptied before each probe, so a probe's reserved peak is its own, not the previous, larger one's."""
     cp = env.cp_size
     rng = np.random.default_rng(0)
     points, floor, ratio = [], 0.0, 1.0
@@ -152,16 +151,17 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
     try:
         for g in optimizer.param_groups:
             g["lr"] = 0.0
-        warm, _ = _probe_data([min(64, cfg.data.max_seq_length)], cfg, env, rng)
+        small = [min(64, cfg.data.max_seq_length)]  # the warm-up step's window and each probe's lead
+        warm, _ = _probe_data(small, cfg, env, rng)
         forward_backward(model, warm, env, loss_cfg=None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # Made outside a metered step, so the CPU meter would not count the optimizer state that
         # every real step after the first holds (2 x the parameters for AdamW: 3.2 MiB on the
-        # quickstart model, the whole of a 7% under-prediction the adversarial run found).
+        # quickstart model, the bulk of a 7% under-prediction the adversarial run found).
         meter.track(resident_tensors(model, optimizer))
         for lengths in shapes or probe_shapes(cfg.data.max_seq_length):
-            data, mb = _probe_data(lengths, cfg, env, rng, lead=[min(64, cfg.data.max_seq_length)])
+            data, mb = _probe_data(lengths, cfg, env, rng, lead=small)
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
             with meter.step():
