@@ -19,7 +19,9 @@ are kept as they are:
         --output rollouts_ref.jsonl --merge-as ref_logprobs --checkpoint checkpoints/ref/step_00001000
 Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
 else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
-the pickle-free loader (backend.train.safe_dcp).
+the pickle-free loader (backend.train.safe_dcp), their parameter names and shapes checked against
+the configured model first. A user error (a bad config key, data line or checkpoint) prints one
+``error:`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -48,55 +50,58 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    from backend.config import ConfigError, checkpoint_dir, load_config, validate
+    from backend.config import checkpoint_dir, load_config, validate
+    from backend.data.errors import DataNotFoundError
     from backend.data.iterator import planner_from_config
-    from backend.data.jsonl import DataFormatError, read_jsonl
+    from backend.data.jsonl import read_jsonl
     from backend.data.row_fields import with_logprobs
     from backend.data.tokenizers import build_tokenizer
-    from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.model.factory import build_model
-    from backend.train.checkpoint import complete_checkpoints, load_model_weights
-    from backend.train.forward_only import compute_logprobs
+    from backend.errors import UserError, run_main
 
-    try:
+    def run() -> int:
         cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
+        if not Path(args.input).is_file():
+            raise DataNotFoundError(f"--input: no such file {args.input}")
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         samples = list(read_jsonl(args.input, tokenizer, cfg.data.json_key))
         rows = [json.loads(line) for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (ConfigError, DataFormatError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
-        print("error: set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)", file=sys.stderr)
-        return 2
-    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
-    try:
-        ckpt = args.checkpoint
-        if ckpt is None and not cfg.model.hf_checkpoint:
-            found = complete_checkpoints(checkpoint_dir(cfg))
-            ckpt = str(found[-1]) if found else None
-        built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False, empty=ckpt is not None)
-        model = built.model
-        if ckpt is not None:
-            load_model_weights(model, ckpt)  # model weights only; the optimizer state is not read
-        elif cfg.model.hf_checkpoint:
-            ckpt = cfg.model.hf_checkpoint
-        elif env.is_main:
-            print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
-        logprobs = compute_logprobs(model, samples, env, planner)
-        if env.is_main:
-            with open(args.output, "w", encoding="utf-8") as f:
-                for i, lp in enumerate(logprobs):
-                    if args.merge_as:
-                        f.write(json.dumps(with_logprobs(rows[i], lp, args.merge_as)) + "\n")
-                    else:
-                        f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
-            print(f"wrote log-probabilities of {len(samples)} samples to {args.output} (checkpoint: {ckpt})")
-    finally:
-        shutdown_distributed()
-    return 0
+        if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
+            raise UserError("set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)")
 
+        from backend.distributed.setup import init_distributed, shutdown_distributed
+        from backend.model.factory import build_model
+        from backend.train.checkpoint import complete_checkpoints, load_model_weights
+        from backend.train.forward_only import compute_logprobs
+
+        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        try:
+            ckpt = args.checkpoint
+            if ckpt is None and not cfg.model.hf_checkpoint:
+                found = complete_checkpoints(checkpoint_dir(cfg))
+                ckpt = str(found[-1]) if found else None
+            built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False, empty=ckpt is not None)
+            model = built.model
+            if ckpt is not None:
+                load_model_weights(model, ckpt)  # model weights only, shapes checked first; no optimizer state
+            elif cfg.model.hf_checkpoint:
+                ckpt = cfg.model.hf_checkpoint
+            elif env.is_main:
+                print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
+            planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+            logprobs = compute_logprobs(model, samples, env, planner)
+            if env.is_main:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    for i, lp in enumerate(logprobs):
+                        if args.merge_as:
+                            f.write(json.dumps(with_logprobs(rows[i], lp, args.merge_as)) + "\n")
+                        else:
+                            f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
+                print(f"wrote log-probabilities of {len(samples)} samples to {args.output} (checkpoint: {ckpt})")
+        finally:
+            shutdown_distributed()
+        return 0
+
+    return run_main(run)
 
 if __name__ == "__main__":
     sys.exit(main())

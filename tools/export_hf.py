@@ -69,16 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.train.hf_export import export_checkpoint
 
-    env = init_distributed(1, cfg.parallel.backend)
-    try:
-        out = export_checkpoint(step_dir, cfg, args.output, env, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        shutdown_distributed()
-    print(f"wrote {out}")
-    return 0
+    from backend.errors import UserError, run_main
+
+    def run() -> int:
+        env = init_distributed(1, cfg.parallel.backend)
+        try:
+            out = export_checkpoint(
+                step_dir, cfg, args.output, env, dtype=args.dtype, max_shard_bytes=args.max_shard_size
+            )
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(str(e)) from e
+        finally:
+            shutdown_distributed()
+        print(f"wrote {out}")
+        return 0
+
+    # A refused checkpoint (a planted .metadata, another model's shapes) is one ``error:`` line, exit 2.
+    return run_main(run)
 
 
 if __name__ == "__main__":

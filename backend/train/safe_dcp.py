@@ -382,7 +382,9 @@ def check_entries(state: dict, metadata: dcp_metadata.Metadata, path) -> None:
 
 def _check_kinds(wanted: dict, metadata: dcp_metadata.Metadata, path) -> None:
     """Each entry fills a value of its own kind (a tensor from tensor storage, anything else from
-    bytes), and an ``_extra_state`` stored as a tensor holds no elements."""
+    bytes) and, for a tensor, of its own shape (a checkpoint of a 128-wide model loaded into a
+    64-wide one is refused here, naming the first parameter that differs, instead of DCP's
+    multi-rank size-mismatch traceback); an ``_extra_state`` stored as a tensor holds no elements."""
     for key, value in wanted.items():
         stored = metadata.state_dict_metadata[key]
         is_tensor = isinstance(stored, dcp_metadata.TensorStorageMetadata)
@@ -390,6 +392,11 @@ def _check_kinds(wanted: dict, metadata: dcp_metadata.Metadata, path) -> None:
             raise UnsafeCheckpointError(
                 f"{path}: refusing entry {key}: stored as {'a tensor' if is_tensor else 'bytes'}, but this run "
                 f"loads {'a tensor' if isinstance(value, torch.Tensor) else 'a non-tensor value'} there"
+            )
+        if is_tensor and tuple(stored.size) != tuple(value.shape) and not key.endswith("_extra_state"):
+            raise CheckpointLayoutError(
+                f"{path}: {key} has shape {list(stored.size)} in the checkpoint but {list(value.shape)} in the "
+                f"configured model: it was saved for another model (check model.* and the checkpoint path)"
             )
         if is_tensor and key.endswith("_extra_state") and math.prod(stored.size) > 0:
             raise UnsafeCheckpointError(

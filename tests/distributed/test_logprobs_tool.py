@@ -1,4 +1,5 @@
-"""tools/compute_logprobs.py: a trained checkpoint's per-token log-probabilities, in input order."""
+"""tools/compute_logprobs.py: a trained checkpoint's per-token log-probabilities, in input order;
+it and tools/export_hf.py refuse a checkpoint of another model in one line (exit 2)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,26 @@ from tests.conftest import REPO, TINY
 pytestmark = pytest.mark.distributed
 
 
-def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded_cache):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_cache):
+    """A one-step run of the tiny config (hidden 64): its directory and the overrides that reach it."""
+    run = tmp_path_factory.mktemp("logprobs_run") / "run"
     common = [f"data.cache_dir={embedded_cache}", f"logger.run_dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     train = subprocess.run(
         [sys.executable, "-m", "backend.train", TINY, *common, "train.train_iters=1"],
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
         timeout=600,
     )
     assert train.returncode == 0, train.stderr[-3000:]
+    return run, common
+
+
+def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, trained):
+    run, common = trained
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     samples = tmp_path / "samples.jsonl"
     texts = ["def f(x):\n    return x + 1\n", "a", "import os\nprint(os.getcwd())\n" * 3]
     samples.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -55,6 +63,28 @@ def test_logprobs_tool_matches_across_layouts_and_keeps_order(tmp_path, embedded
         assert all(x <= 0 for r in rows for x in r["logprobs"])
     for a, b in zip(outs[0], outs[1]):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= 1e-5
+
+
+@pytest.mark.parametrize("tool", ["compute_logprobs", "export_hf"])
+def test_a_checkpoint_of_another_shape_is_one_error_line(tmp_path, trained, tool):
+    """A 64-wide model's checkpoint read for a 128-wide config: ``error: PATH: NAME has shape ...``,
+    exit 2, no traceback, before any tensor is read."""
+    run, common = trained
+    step = run / "checkpoints" / "step_00000001"
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"text": "abc"}) + "\n")
+    if tool == "compute_logprobs":
+        cmd = [sys.executable, "tools/compute_logprobs.py", TINY, *common, "model.hidden_size=128"]
+        cmd += ["train.forward_max_tokens_per_gpu=64", "--input", str(samples), "--output", str(tmp_path / "o")]
+    else:
+        cmd = [sys.executable, "tools/export_hf.py", str(step), "model.hidden_size=128"]
+        cmd += ["--output", str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert str(step) in errors[0] and "has shape [" in errors[0] and "64" in errors[0] and "128" in errors[0]
 
 
 def test_merge_as_writes_training_rows_a_policy_run_reads(tmp_path, embedded_cache):

@@ -16,8 +16,8 @@ from backend.train.policy_loss import policy_token_terms, token_scale
 POLICY = LossConfig(type="policy")
 
 
-def reference_token_loss(lp, old, ref, adv, weight, ent, cfg) -> float:
-    """One token's l_t, written from the formulas with Python floats."""
+def reference_token_terms(lp, old, ref, adv, cfg) -> tuple[float, float]:
+    """One token's (pg, KL), written from the formulas with Python floats."""
     r = math.exp(max(-cfg.logratio_clamp, min(cfg.logratio_clamp, lp - old)))
     clipped_r = max(1 - cfg.ratio_clip_low, min(1 + cfg.ratio_clip_high, r))
     pg = max(-adv * r, -adv * clipped_r)
@@ -25,6 +25,12 @@ def reference_token_loss(lp, old, ref, adv, weight, ent, cfg) -> float:
         pg = min(pg, -cfg.dual_clip * adv)
     d = lp - ref
     kl = {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) + d - 1}[cfg.kl_estimator]
+    return pg, kl
+
+
+def reference_token_loss(lp, old, ref, adv, weight, ent, cfg) -> float:
+    """One token's l_t, written from the formulas with Python floats."""
+    pg, kl = reference_token_terms(lp, old, ref, adv, cfg)
     return weight * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent)
 
 
