@@ -103,5 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
     return run_main(run)
 
+
 if __name__ == "__main__":
     sys.exit(main())

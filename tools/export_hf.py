@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
     from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.train.hf_export import export_checkpoint
-
     from backend.errors import UserError, run_main
+    from backend.train.hf_export import export_checkpoint
 
     def run() -> int:
         env = init_distributed(1, cfg.parallel.backend)

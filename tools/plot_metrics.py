@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plot one or more runs' metrics.jsonl as a PNG: loss (and valid_loss), lr, tokens/s, padding
 efficiency, rank imbalance and step time over optimizer steps, runs overlaid and labelled by
-their run directory.
+their run directory. RL runs (``python -m backend.rl``) get the reward curve (mean, min-max
+band), response length, the policy objective, equal-reward groups and the time split instead.
 
     python tools/plot_metrics.py runs/quickstart --out quickstart.png
     python tools/plot_metrics.py runs/b8k runs/b16k/metrics.jsonl --out compare.png
@@ -41,6 +42,16 @@ PANELS = (
     ("step_time_s", "step time", "seconds"),
 )
 
+# RL runs (rows with reward_mean, written by python -m backend.rl): the reward curve first.
+RL_PANELS = (
+    ("reward_mean", "reward (line: mean; band: min to max)", "reward"),
+    ("response_length_mean", "response length (mean)", "tokens"),
+    ("loss", "policy objective", "loss"),
+    ("zero_variance_groups", "groups whose rewards are all equal", "share of groups"),
+    ("generate_s", "generation time per step", "seconds"),
+    ("step_time_s", "training step time", "seconds"),
+)
+
 
 def resolve(path: str) -> Path:
     p = Path(path)
@@ -70,7 +81,8 @@ def plot_metrics(paths: list[Path], out: str | Path, *, title: str = "") -> Path
         runs.append((label, train, evals))
     fig, axes = plt.subplots(2, 3, figsize=FIGSIZE, dpi=DPI, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, panel_title, ylabel) in zip(axes.flat, PANELS):
+    rl = any("reward_mean" in r for _, train, _ in runs for r in train)
+    for ax, (key, panel_title, ylabel) in zip(axes.flat, RL_PANELS if rl else PANELS):
         drawn = False
         for i, (label, train, evals) in enumerate(runs):
             color = colors[i % len(colors)]
@@ -83,6 +95,11 @@ def plot_metrics(paths: list[Path], out: str | Path, *, title: str = "") -> Path
                 if vsteps:
                     ax.plot(vsteps, vvalues, color=color, linestyle="--", marker="o", label=f"{label} (valid)")
                     drawn = True
+            if key == "reward_mean":
+                lsteps, low = _series(train, "reward_min")
+                hsteps, high = _series(train, "reward_max")
+                if lsteps and lsteps == hsteps:
+                    ax.fill_between(lsteps, low, high, color=color, alpha=0.15, linewidth=0)
             if key == "padding_efficiency":
                 wsteps, wvalues = _series(train, "padding_efficiency_min_rank")
                 if wsteps:

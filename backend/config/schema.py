@@ -352,6 +352,41 @@ class LossConfig:
     minibatches_per_rollout: int = 1
 
 
+RL_ADVANTAGES = ("grpo",)
+RL_GENERATORS = ("hf", "vllm")
+
+
+@dataclass
+class RLConfig:
+    """The GRPO loop, ``python -m backend.rl CONFIG`` (``backend/rl/loop.py``): per step it samples
+    prompts_per_step prompts, samples_per_prompt responses each, scores them with reward, trains one
+    optimizer step on them (train.train_iters steps in all) and streams the weights to the generator."""
+
+    # JSONL of prompts: each row a "prompt" (text) or "messages" (chat, rendered with data.tokenizer's
+    # template and its generation prompt), plus any fields the reward function reads.
+    prompts: str = ""
+    # Prompts per step (drawn from a seeded stream over the file, epoch after epoch; train.seed).
+    prompts_per_step: int = 8
+    # Responses sampled per prompt: a GRPO group.
+    samples_per_prompt: int = 8
+    # Sampling temperature (> 0).
+    temperature: float = 1.0
+    # Longest response, in tokens (a response also ends at a stop id).
+    max_new_tokens: int = 64
+    # The reward: "module:function" or "path/to/file.py:function", called as fn(prompt, response, row)
+    # -> float, with the prompt's text, the response's text and the prompt's JSONL row.
+    reward: str = ""
+    # Token ids that end a response (empty: model.hf_checkpoint's eos_token_id, else the tokenizer's
+    # end of document with data.append_eod, else none: responses run to max_new_tokens).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # grpo: advantage = (reward - group mean) / (group std + 1e-6) (std only with scale_rewards).
+    advantage: str = "grpo"
+    # Divide by the group's standard deviation (GRPO); false centres only (Dr. GRPO).
+    scale_rewards: bool = True
+    # hf: a transformers model in this process; vllm: a vLLM engine in this process (extra "vllm", CUDA).
+    generator: str = "hf"
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -363,3 +398,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    rl: RLConfig = field(default_factory=RLConfig)

@@ -19,6 +19,8 @@ from .schema import (
     OVERLONG_POLICIES,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
+    RL_ADVANTAGES,
+    RL_GENERATORS,
     ROPE_TYPES,
     SCHEDULE_TYPES,
     WANDB_MODES,
@@ -42,6 +44,8 @@ _CHOICES = {
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.normalization": LOSS_NORMALIZATIONS,
     "loss.old_logprobs": OLD_LOGPROB_SOURCES,
+    "rl.advantage": RL_ADVANTAGES,
+    "rl.generator": RL_GENERATORS,
 }
 # Keys each scaled RoPE type reads without a default (as transformers indexes them).
 _ROPE_REQUIRED = {
@@ -63,6 +67,9 @@ _POSITIVE = (
     "train.train_iters",
     "logger.log_interval",
     "loss.minibatches_per_rollout",
+    "rl.prompts_per_step",
+    "rl.samples_per_prompt",
+    "rl.max_new_tokens",
 )
 _NON_NEGATIVE = (
     "model.ffn_hidden_size",
@@ -171,8 +178,9 @@ def _moe_attention_errors(m) -> list[str]:
     return errors
 
 
-def _loss_errors(cfg: Config) -> list[str]:
-    """loss.*: clip ranges, the dual clip, and what the policy loss needs from data and checkpoints."""
+def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
+    """loss.*: clip ranges, the dual clip, and what the policy loss needs from data and checkpoints
+    (``from_memory``: rows are handed over by an RL loop, so data.path is not read)."""
     loss, errors = cfg.loss, []
     for key in ("loss.ratio_clip_low", "loss.ratio_clip_high", "loss.dual_clip", "loss.logratio_clamp"):
         if not math.isfinite(get(cfg, key)):
@@ -212,6 +220,8 @@ def _loss_errors(cfg: Config) -> list[str]:
             f"{loss.minibatches_per_rollout} (a checkpoint inside a rollout batch could not recompute its old "
             f"log-probabilities on resume)"
         )
+    if from_memory:  # rows come from the caller, as given (nothing is appended to them)
+        return errors
     if cfg.data.path == "embedded":
         errors.append(
             "data.path=embedded: loss.type=policy trains on rollouts whose rows carry advantages (and old/ref "
@@ -225,8 +235,9 @@ def _loss_errors(cfg: Config) -> list[str]:
     return errors
 
 
-def validate(cfg: Config, world_size: int = 1) -> Config:
-    """Check the whole config for a world of ``world_size`` processes; raise one ConfigError."""
+def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> Config:
+    """Check the whole config for a world of ``world_size`` processes; raise one ConfigError.
+    ``from_memory``: the config of an RL worker, whose rows come from its caller (not data.path)."""
     errors: list[str] = []
     for key, allowed in _CHOICES.items():
         if get(cfg, key) not in allowed:
@@ -248,7 +259,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
     errors += _moe_attention_errors(m)
-    errors += _loss_errors(cfg)
+    errors += _loss_errors(cfg, from_memory)
     cp = cfg.parallel.context_parallel_size
     packed = t.dynamic_batch_enable and t.dynamic_batch_layout == "packed"
     if m.attention_backend == "te" and packed and cp > 1 and (m.attention_sinks or m.sliding_window):
@@ -263,6 +274,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         errors.append(
             f"model.num_query_groups={m.num_query_groups}: must divide model.num_attention_heads={m.num_attention_heads}"
         )
+    if not (math.isfinite(cfg.rl.temperature) and cfg.rl.temperature > 0):
+        errors.append(f"rl.temperature={cfg.rl.temperature}: must be > 0")
+    if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
+        errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
     if not 0 <= cfg.data.valid_fraction < 1:
         errors.append(f"data.valid_fraction={cfg.data.valid_fraction}: must be in [0, 1)")
     if not 0 < m.norm_epsilon < 1:

@@ -140,6 +140,13 @@ class ChatRenderer:
             raise DataFormatError(f"{where}: the conversation has no assistant tokens to train on")
         return turns
 
+    def generation_prompt(self, messages, where: str = "messages") -> tuple[str, list[int]]:
+        """(text, token ids) of ``messages`` followed by the template's generation prompt: what a
+        sampler continues with the assistant's reply (an RL loop's prompt)."""
+        _check_messages(messages, where)
+        text = self._render(messages, where, add_generation_prompt=True)
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _render_by_prefixes(self, messages: list[dict], where: str) -> list[tuple[list[int], list[int]]]:
         full = self._render(messages, where)
         turns = []  # (text the turn is the last of, its span there)

@@ -91,6 +91,21 @@ def collate_plan(
     return out
 
 
+def window_data(dataset, window_ids, planner: Planner, *, dp_rank: int, cp_rank: int, cp_size: int) -> StepData:
+    """One window of ``dataset`` (its ``window_ids``, in stream order) planned, collated for this
+    rank and counted: the file stream's windows and the RL worker's in-memory rows alike."""
+    window_ids = np.asarray(window_ids)
+    plan = planner([int(n) for n in dataset.lengths[window_ids]])
+    counts = dataset.loss_token_counts[window_ids]
+    return StepData(
+        window_ids=window_ids,
+        plan=plan,
+        microbatches=collate_plan(dataset, window_ids, plan, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp_size),
+        global_loss_tokens=int(counts.sum()),
+        global_loss_sequences=int(np.count_nonzero(counts)),
+    )
+
+
 class DataIterator:
     """Yields StepData for (dp_rank, cp_rank), window after window, forever."""
 
@@ -105,15 +120,8 @@ class DataIterator:
 
     def __next__(self) -> StepData:
         window_ids = self.sampler.next_window()
-        plan = self.planner([int(n) for n in self.dataset.lengths[window_ids]])
-        return StepData(
-            window_ids=window_ids,
-            plan=plan,
-            microbatches=collate_plan(
-                self.dataset, window_ids, plan, dp_rank=self.dp_rank, cp_rank=self.cp_rank, cp_size=self.cp_size
-            ),
-            global_loss_tokens=int(self.dataset.loss_token_counts[window_ids].sum()),
-            global_loss_sequences=int(np.count_nonzero(self.dataset.loss_token_counts[window_ids])),
+        return window_data(
+            self.dataset, window_ids, self.planner, dp_rank=self.dp_rank, cp_rank=self.cp_rank, cp_size=self.cp_size
         )
 
     def state_dict(self) -> dict:

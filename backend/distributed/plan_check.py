@@ -35,3 +35,21 @@ def check_plan_agreement(plan: StepPlan, group=None, *, step: int | None = None)
     detail = "; ".join(f"ranks {ranks}: fingerprint {fp:015x}, {n} microbatches" for (fp, n), ranks in by_value.items())
     where = f" at step {step}" if step is not None else ""
     raise PlanMismatchError(f"the step plan differs across ranks{where} ({detail}); data, config or code diverged")
+
+
+def check_same_arguments(digest: str, *, what: str, group=None) -> None:
+    """Every rank passed the same ``what`` (its ``digest``, e.g. a hash of the rows): an SPMD caller
+    that hands ranks different rows would otherwise train a mixture or hang at a collective."""
+    if dist.get_world_size(group) == 1:
+        return
+    from .collectives import all_gather_objects
+
+    digests = all_gather_objects(digest, group=group)
+    if len(set(digests)) > 1:
+        by_value: dict[str, list[int]] = {}
+        for rank, d in enumerate(digests):
+            by_value.setdefault(d, []).append(rank)
+        detail = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in by_value.items())
+        raise PlanMismatchError(
+            f"{what} differ across ranks ({detail}): every rank must call the worker with the same arguments"
+        )

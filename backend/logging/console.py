@@ -50,6 +50,10 @@ def format_step_stats(metrics: dict) -> str:
         ("lr", _num(metrics.get("lr"), ".2e")),
     ]
     out = [f"{name} {value}" for name, value in parts if value is not None]
+    if metrics.get("reward_mean") is not None:  # the RL loop: its reward and the sampler's view
+        out.insert(0, f"reward {metrics['reward_mean']:.3f}")
+        if metrics.get("response_length_mean") is not None:
+            out.append(f"resp {metrics['response_length_mean']:.1f} tok")
     if metrics.get("clipfrac") is not None:  # the policy loss: how much of the window was clipped
         out.append(f"clipfrac {metrics['clipfrac']:.3f}")
     if metrics.get("tokens_per_s") is not None:

@@ -66,7 +66,8 @@ def validate_meta(meta: Any, file: Path) -> None:
     if missing:
         raise bad(f"lacks {', '.join(missing)}")
     unknown = sorted(
-        set(meta) - {"step", "scheduler", "world_size", "dp_size", "cp_size", "data", "wandb_run_id", "config"}
+        set(meta)
+        - {"step", "scheduler", "world_size", "dp_size", "cp_size", "data", "wandb_run_id", "config", "caller_state"}
     )
     if unknown:
         raise bad(f"holds {len(unknown)} unknown key(s) (e.g. {unknown[0][:40]!r})")
@@ -80,16 +81,14 @@ def validate_meta(meta: Any, file: Path) -> None:
             raise bad(f"has {key} of type {_type_name(meta[key])} outside 1..{MAX_COUNT:,}")
     if not isinstance(meta["scheduler"], dict):
         raise bad("has a scheduler state that is not an object")
-    data = meta["data"]
-    sampler = data.get("sampler") if isinstance(data, dict) and set(data) == {"sampler"} else None
-    if not isinstance(sampler, dict) or set(sampler) != set(_SAMPLER):
-        raise bad(f"has a data state that is not {{'sampler': {{{', '.join(_SAMPLER)}}}}}")
-    for key, kind in _SAMPLER.items():
-        value = sampler[key]
-        if type(value) is not kind or (kind is int and not -MAX_COUNT <= value <= MAX_COUNT):
-            raise bad(f"has data.sampler.{key} of type {_type_name(value)} (expected {kind.__name__} in range)")
-    if sampler["consumed"] < 0:
-        raise bad("has a negative data.sampler.consumed")
+    if meta["data"] is not None:  # null: written by a worker fed from memory (no data.path stream)
+        _check_sampler(meta["data"], bad, "data")
+    # A worker's caller's own state (the RL loop's prompt stream), handed back as it was saved:
+    # any JSON object; the caller checks its fields (``check_sampler_state``).
+    if meta.get("caller_state") is not None and not isinstance(meta["caller_state"], dict):
+        raise bad("has a caller_state that is not an object")
+    if _depth(meta.get("caller_state")) > 8:
+        raise bad("has a caller_state nested deeper than 8 levels")
     if meta.get("wandb_run_id") is not None and not (
         isinstance(meta["wandb_run_id"], str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", meta["wandb_run_id"])
     ):
@@ -98,6 +97,26 @@ def validate_meta(meta: Any, file: Path) -> None:
         raise bad("has a config that is not an object")
     if _depth(meta.get("config")) > 8:  # our config nests 3 deep (loss.*, model.rope_scaling.*)
         raise bad("has a config nested deeper than 8 levels")
+
+
+def check_sampler_state(data: Any, file: str | Path, where: str) -> dict:
+    """``data`` as a window sampler's state (``{'sampler': {...}}``), or a ``CheckpointMetaError``
+    naming ``file`` and ``where``; returns the inner sampler state."""
+    _check_sampler(data, lambda what: CheckpointMetaError(f"{file}: checkpoint metadata {what}"), where)
+    return data["sampler"]
+
+
+def _check_sampler(data: Any, bad, where: str) -> None:
+    """A window sampler's state (``{'sampler': {consumed, seed, ...}}``), each value in range."""
+    sampler = data.get("sampler") if isinstance(data, dict) and set(data) == {"sampler"} else None
+    if not isinstance(sampler, dict) or set(sampler) != set(_SAMPLER):
+        raise bad(f"has a {where} state that is not {{'sampler': {{{', '.join(_SAMPLER)}}}}}")
+    for key, kind in _SAMPLER.items():
+        value = sampler[key]
+        if type(value) is not kind or (kind is int and not -MAX_COUNT <= value <= MAX_COUNT):
+            raise bad(f"has {where}.sampler.{key} of type {_type_name(value)} (expected {kind.__name__} in range)")
+    if sampler["consumed"] < 0:
+        raise bad(f"has a negative {where}.sampler.consumed")
 
 
 def _depth(value: Any) -> int:

@@ -58,6 +58,18 @@ def tokenizer_note(cfg, out) -> str:
     )
 
 
+def export_fields(cfg, fields: dict) -> dict:
+    """The model fields an export (or an RL weight stream) writes: an imported model keeps its own
+    family (``model_type`` of ``model.hf_checkpoint``'s config.json), a model trained from
+    scratch takes the family its flags name."""
+    fields = dict(fields)
+    if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
+        fields["model_type"] = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())["model_type"]
+    if fields["model_type"] is None:
+        raise ValueError("model.qk_layernorm and model.qkv_bias are both set: no Hugging Face family has both")
+    return fields
+
+
 def export_checkpoint(
     step_dir: str | Path,
     cfg,
@@ -73,12 +85,8 @@ def export_checkpoint(
         raise FileNotFoundError(f"{step_dir}: not a complete checkpoint (no .metadata); pass a step_* directory")
     vocab = cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
     built = build_model(cfg, env, tokenizer_vocab=vocab, training=False, empty=True)
-    fields = dict(built.fields)
+    fields = export_fields(cfg, built.fields)
     source = _tokenizer_source(cfg)
-    if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
-        fields["model_type"] = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())["model_type"]
-    if fields["model_type"] is None:
-        raise ValueError("model.qk_layernorm and model.qkv_bias are both set: no Hugging Face family has both")
     load_model_weights(built.model, step_dir)  # model weights only; the optimizer state is not read
     out = export_hf_dir(
         fields,

@@ -39,6 +39,8 @@ Allowed, reported:
 - ``parallel.backend``, ``parallel.data_parallel_wrapper``: transport and wrapper (one choice today).
 - ``loss.*`` except ``loss.type``: the policy loss's hyperparameters (like the optimizer's); a
   change of ``loss.type`` itself is refused (another objective, another run).
+- ``rl.*`` except ``rl.prompts`` and ``rl.prompts_per_step`` (refused: the saved position of the
+  RL loop's prompt stream indexes that file at that rate): sampling, reward and advantage settings.
 - A key missing from the old config (a checkpoint from before the key existed) is allowed, with a
   note; so is a key missing from the new one (removed since). The missing side's value is ``MISSING``.
 """
@@ -74,6 +76,8 @@ _REFUSED_KEYS = {
     "parallel.context_parallel_size": "the context-parallel layout",
     "data.valid_fraction": "which samples the training stream holds (the validation split)",
     "loss.type": "the training objective (cross-entropy or the policy loss)",
+    "rl.prompts": "the RL loop's prompt stream (its saved position would index other prompts)",
+    "rl.prompts_per_step": "the RL loop's prompt stream (prompts per step)",
 }
 _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
@@ -106,6 +110,7 @@ _ALLOWED_SECTIONS = {
     "logger.": "logging",
     "checkpoint.": "checkpointing",
     "loss.": "the policy loss's hyperparameters (clips, coefficients, sources of log-probabilities)",
+    "rl.": "the RL loop's sampling, reward and advantage settings (the prompt stream excepted)",
 }
 
 

@@ -48,6 +48,15 @@ def build_reference(cfg, env, *, tokenizer_vocab: int):
     return model
 
 
+def fill_window(data: StepData, env, *, policy=None, reference=None) -> None:
+    """``old_logprobs`` from ``policy`` and ``ref_logprobs`` from ``reference`` (either may be None)
+    filled into the window's own microbatches, under its plan (the file stream and the RL worker)."""
+    if policy is not None:
+        fill_logprobs(policy, data.microbatches, env, "old_logprobs")
+    if reference is not None:
+        fill_logprobs(reference, data.microbatches, env, "ref_logprobs")
+
+
 class RolloutStream:
     """Windows for the trainer, with the policy loss's log-probabilities filled in.
 
@@ -78,10 +87,7 @@ class RolloutStream:
                 batch.append((data, self.iterator.state_dict()))  # a fresh dict per call
             start = time.perf_counter()
             for data, _ in batch:
-                if self.policy is not None:
-                    fill_logprobs(self.policy, data.microbatches, self.env, "old_logprobs")
-                if self.reference is not None:
-                    fill_logprobs(self.reference, data.microbatches, self.env, "ref_logprobs")
+                fill_window(data, self.env, policy=self.policy, reference=self.reference)
             self.last_fill_s = time.perf_counter() - start
             self.pending.extend(batch)
         data, self.state = self.pending.popleft()

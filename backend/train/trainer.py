@@ -19,6 +19,7 @@ from backend.data.prefetch import PrefetchingIterator, SyncIterator
 from backend.data.row_fields import format_ignored, row_fields
 from backend.data.sampler import WindowSampler, oversampling_factor
 from backend.data.split import build_train_and_valid, evaluation_ids
+from backend.data.tokenizers import build_tokenizer
 from backend.distributed.collectives import dist_max
 from backend.distributed.plan_check import check_plan_agreement
 from backend.distributed.setup import check_world_matches_allocation, describe_world
@@ -60,8 +61,14 @@ def describe_loss(loss) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env):
+    """The CLI's trainer (``from_memory=False``): windows from ``data.path``; or, with
+    ``from_memory=True``, the same model, optimizer, schedule, budget, reference, metrics, lock
+    and resume with no data set: windows are handed over one at a time (``train_window``), as
+    the RL worker (``backend.rl.PolicyWorker``) does."""
+
+    def __init__(self, cfg: Config, env, *, from_memory: bool = False):
         self.cfg, self.env = cfg, env
+        self.from_memory = from_memory
         self.run_dir = Path(cfg.logger.run_dir)
         self.ckpt_dir = checkpoint_dir(cfg)
         self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
@@ -76,9 +83,14 @@ class Trainer:
                 ", ".join(f"rank {w['rank']}@{w['hostname']}/node {w['slurm_node_id']}" for w in world),
             )
 
-        build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
-        self.dataset, self.valid, self.tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
-        self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
+        if from_memory:
+            self.dataset = self.valid = None
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)
+            self.oversampling = 1.0
+        else:
+            build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
+            self.dataset, self.valid, self.tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
+            self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
         if self.oversampling > 1 and env.is_main:
             log.warning(
                 "train.global_batch_size=%d is larger than the data set (%d samples): each window trains every "
@@ -89,6 +101,7 @@ class Trainer:
             )
         built = build_model(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
         self.model, self.backend = built.model, built.attention_backend
+        self.model_fields = built.fields  # the architecture as HF export writes it
         # From here on the config says what the run uses (vocab_size, ffn size, precision, ...).
         resolved = resolve_run_config(cfg, tokenizer_vocab=self.tokenizer.vocab_size, device_type=env.device.type)
         self.cfg = cfg = dataclasses.replace(
@@ -101,39 +114,55 @@ class Trainer:
         if cfg.train.max_tokens_per_gpu == "auto":
             self.cfg = cfg = self.resolve_budget(cfg)
 
-        sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
-        self.bucket_edges = edges = bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=env.cp_size)
+        lengths = None if from_memory else self.dataset.lengths  # shape buckets come from the data set's lengths
+        self.bucket_edges = edges = (
+            bucket_edges_for(cfg.train, lengths, cp_size=env.cp_size) if lengths is not None else None
+        )
         if edges and env.is_main:
             log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges)
+        self.planner = planner = planner_from_config(
+            cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges
+        )
         loss = cfg.loss
         self.policy = loss.type == "policy"
-        reference = (
+        self.reference = reference = (
             build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size) if loss.reference_checkpoint else None
         )
-        self.windows = windows = DataIterator(
-            self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
-        )
-        self.window_source = PrefetchingIterator(windows) if cfg.data.prefetch else SyncIterator(windows)
-        self.data = RolloutStream(
-            self.window_source,
-            env,
-            policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
-            reference=reference,
-            windows_per_rollout=loss.minibatches_per_rollout,
-        )
+        self.data = self.windows = self.window_source = None
+        if not from_memory:
+            sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
+            self.windows = windows = DataIterator(
+                self.dataset, sampler, planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
+            )
+            self.window_source = PrefetchingIterator(windows) if cfg.data.prefetch else SyncIterator(windows)
+            self.data = RolloutStream(
+                self.window_source,
+                env,
+                policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
+                reference=reference,
+                windows_per_rollout=loss.minibatches_per_rollout,
+            )
         if self.valid is not None:
             self.valid_ids = evaluation_ids(self.valid, cfg.train.eval_samples)
             self.valid_planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
 
         self.step = 0
         self.wandb_run_id = None
+        self.resumed_meta: dict | None = None  # the checkpoint's meta.json when this run resumed
         if cfg.checkpoint.resume and (
             meta := resume_latest(self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env)
         ):
             self.step = meta["step"]
+            self.resumed_meta = meta
             self.meter.track(resident_tensors(self.model, self.optimizer))  # the loaded optimizer state
-            self.data.load_state_dict(meta["data"])
+            if self.data is not None and meta.get("data") is not None:
+                self.data.load_state_dict(meta["data"])
+            elif self.data is not None and env.is_main:
+                log.warning(
+                    "%s holds no data-stream position (written by a worker fed from memory): the data.path "
+                    "stream starts at its beginning",
+                    self.ckpt_dir,
+                )
             self.wandb_run_id = meta.get("wandb_run_id")
             rollout = loss.minibatches_per_rollout
             if self.policy and loss.old_logprobs == "recompute" and self.step % rollout and env.is_main:
@@ -206,13 +235,16 @@ class Trainer:
                 lower,
             )
         if lower < budget:
-            self.window_source.quiesce()  # the window in preparation keeps the old plan on every rank
+            if self.window_source is not None:
+                self.window_source.quiesce()  # the window in preparation keeps the old plan on every rank
             self.cfg = dataclasses.replace(
                 self.cfg, train=dataclasses.replace(self.cfg.train, max_tokens_per_gpu=lower)
             )
-            self.windows.planner = planner_from_config(
+            self.planner = planner_from_config(
                 self.cfg.train, dp_size=self.env.dp_size, cp_size=self.env.cp_size, bucket_edges=self.bucket_edges
             )
+            if self.windows is not None:
+                self.windows.planner = self.planner
         return row
 
     def write_run_record(self) -> None:
@@ -232,12 +264,15 @@ class Trainer:
 
     def startup_info(self) -> dict:
         """What the start-up summary shows: model, parallel layout, attention, data, batching, schedule."""
-        cfg, env, report = self.cfg, self.env, self.dataset.report
-        source = self.dataset.source
-        if getattr(self.dataset, "note", ""):
-            source += f" ({self.dataset.note})"
-        if report is not None and (report.truncated or report.dropped):
-            source += f" (over data.max_seq_length: {report.truncated} truncated, {report.dropped} dropped)"
+        cfg, env = self.cfg, self.env
+        if self.dataset is None:
+            source, lengths = "rows handed over in memory, one optimizer window per call", None
+        else:
+            report, source, lengths = self.dataset.report, self.dataset.source, length_stats(self.dataset.lengths)
+            if getattr(self.dataset, "note", ""):
+                source += f" ({self.dataset.note})"
+            if report is not None and (report.truncated or report.dropped):
+                source += f" (over data.max_seq_length: {report.truncated} truncated, {report.dropped} dropped)"
         validation = None
         if self.valid is not None:
             validation = (
@@ -259,7 +294,7 @@ class Trainer:
             "attention_backend": self.backend,
             "recompute": cfg.model.recompute_granularity,
             "data_source": source,
-            "lengths": length_stats(self.dataset.lengths),
+            "lengths": lengths,
             "max_seq_length": cfg.data.max_seq_length,
             "global_batch_size": cfg.train.global_batch_size,
             "batching": {
@@ -272,7 +307,7 @@ class Trainer:
             "schedule": f"{cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_iters}",
             "run_dir": str(self.run_dir),
             "loss": describe_loss(cfg.loss),
-            "ignored_fields": format_ignored(getattr(self.dataset, "ignored_fields", {})) or None,
+            "ignored_fields": format_ignored(getattr(self.dataset, "ignored_fields", None) or {}) or None,
         }
 
     def end_summary(self, status: str) -> None:
@@ -330,10 +365,17 @@ class Trainer:
 
     def train_one_step(self) -> dict:
         data, data_time = self.next_data()
+        return self.train_window(data, data_time, source=self.dataset.source, report=self.dataset.report)
+
+    def train_window(
+        self, data: StepData, data_time: float, *, source: str, report=None, extra: dict | None = None
+    ) -> dict:
+        """One optimizer step on ``data`` (step ``self.step``, already counted): the guards, the
+        update, the memory check and the step row (``extra`` merged into it); returns the row."""
         if data.global_loss_tokens == 0:
             ids = [int(i) for i in data.window_ids[:8]]
             raise DataError(
-                f"{self.dataset.source}: step {self.step}: the window's {len(data.window_ids)} samples (dataset indices "
+                f"{source}: step {self.step}: the window's {len(data.window_ids)} samples (indices "
                 f"{ids}{' ...' if len(data.window_ids) > 8 else ''}) hold no loss tokens (every loss_mask is 0), so "
                 f"there is nothing to train on; check the data's loss_mask (or its chat template's assistant turns)"
             )
@@ -350,7 +392,7 @@ class Trainer:
             )
         out["peak_memory_bytes"] = self.meter.peak_bytes
         out.update(self.check_memory(data, self.meter.peak_bytes))
-        return self.log_step(data, out, data_time)
+        return self.log_step(data, out, data_time, report=report, extra=extra)
 
     def next_data(self) -> tuple[StepData, float]:
         """The next window, planned, collated and checked to agree across ranks; and its seconds."""
@@ -360,17 +402,20 @@ class Trainer:
         check_plan_agreement(data.plan, step=self.step)
         return data, data_time
 
-    def log_step(self, data: StepData, out: dict, data_time: float) -> dict:
-        """Step metrics (train_step's, the plan's and the data's) to the console, jsonl and wandb."""
+    def log_step(self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None) -> dict:
+        """Step metrics (train_step's, the plan's, the data's and ``extra``) to the console, jsonl and wandb."""
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
         metrics["data_time_s"] = data_time
-        metrics["data_wait_s"] = self.data.last_wait_s  # waiting for the window's plan and tensors
-        if self.policy:  # forward-only passes (recomputed old / reference log-probabilities) in data_time_s
-            metrics["logprob_time_s"] = self.data.last_fill_s
+        if self.data is not None:
+            metrics["data_wait_s"] = self.data.last_wait_s  # waiting for the window's plan and tensors
+            if self.policy:  # forward-only passes (recomputed old / reference log-probabilities) in data_time_s
+                metrics["logprob_time_s"] = self.data.last_fill_s
         metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
         metrics["loss_tokens"] = data.global_loss_tokens
         metrics["oversampling_factor"] = self.oversampling
-        metrics.update(self.dataset.report.as_dict())
+        if report is not None:
+            metrics.update(report.as_dict())
+        metrics.update(extra or {})
         self.metrics.log(metrics)
         return metrics
 
@@ -394,12 +439,17 @@ class Trainer:
         interval = self.cfg.checkpoint.interval
         return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters
 
-    def save(self) -> Path:
+    def save(self, state: dict | None = None) -> Path:
+        """A checkpoint of this step. ``state``: the caller's own resumable state (JSON), stored as
+        ``meta.json``'s ``caller_state`` (the RL loop's prompt stream); a run fed from memory has no
+        data-stream position (``data`` null: the CLI resuming it starts data.path from the start)."""
         extra = {
-            "data": self.data.state_dict(),
+            "data": self.data.state_dict() if self.data is not None else None,
             "wandb_run_id": self.wandb_run_id,
             "config": dataclasses.asdict(self.cfg),
         }
+        if state is not None:
+            extra["caller_state"] = state
         self.last_checkpoint = save_checkpoint(
             self.ckpt_dir,
             self.step,

@@ -24,7 +24,13 @@ pytestmark = pytest.mark.distributed
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
 HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def _env() -> dict:
+    """The subprocess environment, read when the command runs (the test's run directory is set then)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
 CONVERSATION = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "what is two plus two"},
@@ -33,7 +39,7 @@ CONVERSATION = [
 
 
 def _run(cmd, timeout=600):
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 

@@ -48,8 +48,23 @@ FORBIDDEN = {
     "config": ("torch", "backend.model", "backend.train", "backend.data"),
     "model": ("backend.train", "backend.bench", "backend.data"),
     "distributed": ("backend.model", "backend.train", "backend.bench"),
-    "train": ("backend.bench",),
+    "train": ("backend.bench", "backend.rl"),
+    # rl/ sits on top of train/: nothing below it imports it, and it never needs the benchmarks
+    "rl": ("backend.bench",),
 }
+# The rooms below rl/ (everything but the benchmarks, which may drive it)
+BELOW_RL = ("batching", "config", "data", "distributed", "logging", "model", "train")
+
+
+@pytest.mark.parametrize("subpackage", BELOW_RL)
+def test_nothing_below_rl_imports_it(subpackage):
+    bad = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in files(subpackage)
+        for name in imports_of(path)
+        if name == "backend.rl" or name.startswith("backend.rl.")
+    ]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("subpackage", sorted(FORBIDDEN))

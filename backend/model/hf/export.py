@@ -31,7 +31,14 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    torch.bfloat16: torch.bfloat16,
+    torch.float32: torch.float32,
+}
 #: Copied verbatim when present in the source directory: tokenizer, generation and chat-template
 #: files. Never ``*.py`` (custom code) or pickles.
 TOKENIZER_FILES = (
@@ -138,9 +145,15 @@ def _gpt_oss_config(fields: dict, *, dtype: str, source_config: dict | None) -> 
 
 
 def hf_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], fields: dict, *, dtype: str = "bf16"
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    fields: dict,
+    *,
+    dtype: str = "bf16",
+    device: str | torch.device = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs, cast to ``dtype``, one megatron parameter at a time.
+    """HF (name, tensor) pairs, cast to ``dtype`` on ``device``, one megatron parameter at a time
+    (the files export writes, and the weight stream an RL generator loads: one code path, so the
+    two are bitwise equal). ``device="meta"`` gives the shapes and dtypes with no data.
 
     Every parameter the fields call for must come exactly once: a missing or repeated one is an
     error after the stream ends (naming it), so a partial export never looks complete.
@@ -168,7 +181,7 @@ def hf_tensors(
 
     pairs = ((h, t) for name, tensor in checked() for h, t in to_hf(name, tensor))
     for hf_name, t in pairs:
-        yield hf_name, t.detach().to("cpu", torch_dtype)
+        yield hf_name, t.detach().to(device, torch_dtype)
     missing = sorted(expected - seen)
     if missing:
         raise ValueError(f"export is missing {len(missing)} parameter(s): {', '.join(missing[:10])}")

@@ -1,0 +1,7 @@
+"""RL on top of the trainer: ``PolicyWorker`` (the trainer fed from memory), an in-process
+generator fed by the Hugging Face weight stream (``generate``), and the GRPO loop
+(``python -m backend.rl CONFIG``). Nothing below ``backend.rl`` imports it."""
+
+from .worker import PolicyWorker
+
+__all__ = ["PolicyWorker"]

@@ -1,0 +1,78 @@
+"""The RL command: ``python -m backend.rl CONFIG.yaml [dotted.key=value ...]`` (GRPO), also under
+torchrun. One process per rank holds the policy worker (FSDP2 x CP) and a generator; see
+``backend.rl.loop`` for a step. Exit status as ``python -m backend.train``: 0 finished (or
+preempted after saving), 130 Ctrl-C after saving, 2 a user error in one ``error:`` line (a bad
+config key, prompt row, reward function or checkpoint), 1 a bug (its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from backend.config import ConfigError, load_config, validate
+from backend.errors import run_main
+
+EXIT_INTERRUPTED = 130
+
+
+def build_generator(worker):
+    """The generator ``rl.generator`` names, holding the worker's current weights."""
+    from .loop import stop_token_ids
+
+    stops = stop_token_ids(worker.cfg, worker.tokenizer)
+    if worker.cfg.rl.generator == "vllm":
+        from .vllm_generator import VLLMGenerator
+
+        return VLLMGenerator.from_worker(worker, stop_token_ids=stops)
+    from .generate import HFGenerator
+
+    return HFGenerator(
+        worker.hf_config(), vocab_limit=worker.tokenizer.vocab_size, stop_token_ids=stops, device=worker.env.device
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.rl", description=__doc__)
+    parser.add_argument("config", help="YAML config file (see configs/grpo_demo.yaml)")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, applied in order")
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = validate(load_config(args.config, args.overrides), world_size=world_size, from_memory=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+    def run() -> int:
+        from backend.distributed.setup import init_distributed, shutdown_distributed
+        from backend.logging.wandb_run import start_wandb
+
+        from .loop import GRPOLoop
+        from .worker import PolicyWorker
+
+        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        try:
+            worker = PolicyWorker.from_config(args.config, args.overrides, env=env)
+            loop = GRPOLoop(worker, build_generator(worker))
+            wandb_run = start_wandb(worker.cfg, env, run_id=worker.trainer.wandb_run_id)
+            worker.trainer.attach_wandb(wandb_run)
+            outcome = loop.run()
+            worker.trainer.end_summary(outcome)
+            if wandb_run is not None:
+                wandb_run.finish()
+            worker.close()
+        finally:
+            shutdown_distributed()
+        return EXIT_INTERRUPTED if outcome == "interrupted" else 0
+
+    return run_main(run)

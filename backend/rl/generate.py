@@ -1,0 +1,151 @@
+"""The embedded generator: a ``transformers`` causal LM in the trainer's process, fed by the
+policy's Hugging Face weight stream (never a file), sampling with its own log-probabilities.
+
+Built once from the policy's HF config (``PolicyWorker.hf_config``), then after every optimizer
+step ``load_weights(worker.hf_weights())`` copies each ``(HF name, full tensor)`` pair into the
+matching parameter: the contract vLLM's ``model.load_weights`` and SGLang's weight updates take,
+so ``vllm_generator.VLLMGenerator`` is a drop-in on the same stream.
+
+Sampling is plain ancestral sampling from softmax(logits / T) over the tokenizer's ids (ids the
+model has beyond the tokenizer's vocabulary, padding rows of the embedding, are never sampled),
+with a KV cache, one prompt's ``n`` samples as one batch (no padding: they share the prompt), a
+``torch.Generator`` seeded per call (the same seed gives the same responses on any rank), and
+each sampled token's log-probability under that distribution returned beside it: what the
+sampler saw, for ``rollout_logprobs``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled response: its token ids (up to and including a stop id, if one came) and the
+    sampler's log-probability of each, log softmax(logits / T)[token]."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool  # ended on a stop id (else it ran to max_new_tokens)
+
+
+@dataclass
+class SyncStats:
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+class HFGenerator:
+    """A transformers causal LM kept in step with the policy by ``load_weights``."""
+
+    def __init__(
+        self,
+        hf_config: dict,
+        *,
+        vocab_limit: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str = "sdpa",
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(**hf_config)
+        config._attn_implementation = attn_implementation
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab_limit = vocab_limit
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self._params = dict(self.model.named_parameters())  # tied: lm_head shares embed_tokens, listed once
+        # transformers 5.2x names the KV cache ``cache`` (``past_key_values`` still works, with a warning)
+        self._cache_key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def from_worker(cls, worker, **kwargs) -> HFGenerator:
+        """A generator for ``worker``'s policy, with its current weights loaded."""
+        gen = cls(worker.hf_config(), vocab_limit=worker.tokenizer.vocab_size, device=worker.env.device, **kwargs)
+        gen.load_weights(worker.hf_weights())
+        return gen
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """Copy every (HF name, full tensor) pair into the model; each parameter exactly once, or an
+        error naming the first unknown, repeated or missing one. Returns what moved and how long."""
+        start = time.perf_counter()
+        seen: set[str] = set()
+        count = size = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"generator: no parameter {name!r} in the {type(self.model).__name__} model")
+                if name in seen:
+                    raise KeyError(f"generator: {name!r} given twice")
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"generator: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                seen.add(name)
+                count += 1
+                size += tensor.numel() * tensor.element_size()
+        missing = sorted(set(self._params) - seen)
+        if missing:
+            raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
+        return SyncStats(count, size, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [b, s, vocab] of ``input_ids`` (FP32)."""
+        return self.model(input_ids=input_ids.to(self.device)).logits.float()
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: Sequence[int], n: int, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[Completion]:
+        """``n`` responses to one prompt, sampled at ``temperature`` (> 0) for up to
+        ``max_new_tokens`` tokens each, stopping a response at its first stop id."""
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}: must be > 0 (sampling)")
+        if not len(prompt_ids):
+            raise ValueError("an empty prompt: give at least one token")
+        rng = torch.Generator(device=self.device).manual_seed(int(seed))
+        ids = torch.tensor([list(prompt_ids)] * n, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True)
+        past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
+        done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        tokens, logps = [], []
+        for _ in range(max_new_tokens):
+            if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+                logits[:, self.vocab_limit :] = float("-inf")  # ids the tokenizer does not have
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1)
+            tokens.append(token)
+            logps.append(logp.gather(1, token[:, None]).squeeze(1))
+            done |= torch.isin(token, stops)
+            if bool(done.all()):
+                break
+            out = self.model(input_ids=token[:, None], use_cache=True, **{self._cache_key: past})
+            past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
+        token_rows = torch.stack(tokens, 1).cpu().numpy()
+        logp_rows = torch.stack(logps, 1).cpu().numpy()
+        stop_set = set(self.stop_token_ids)
+        completions = []
+        for toks, lps in zip(token_rows, logp_rows):
+            end = next((i + 1 for i, t in enumerate(toks) if int(t) in stop_set), len(toks))
+            completions.append(
+                Completion(
+                    token_ids=[int(t) for t in toks[:end]],
+                    logprobs=[float(x) for x in np.asarray(lps[:end], dtype=np.float64)],
+                    stopped=end < len(toks) or (len(toks) > 0 and int(toks[-1]) in stop_set),
+                )
+            )
+        return completions

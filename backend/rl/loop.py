@@ -1,0 +1,203 @@
+"""The GRPO loop in one process: sample, score, train, stream the weights back, repeat.
+
+Per step (``train.train_iters`` steps):
+
+1. weights: the generator holds the policy's current weights (loaded from ``hf_weights`` after
+   the previous step; at start from the built or resumed model), timed and counted in bytes;
+2. generate: ``rl.prompts_per_step`` prompts drawn from a seeded stream over ``rl.prompts``
+   (epoch after epoch, ``train.seed``), ``rl.samples_per_prompt`` responses each at
+   ``rl.temperature``; the prompts are split over the ranks and the results gathered, so every
+   rank holds the same rollouts (each prompt's sampling seed depends on (seed, step, its place
+   in the step) only: the same responses on any number of ranks and after a resume);
+3. reward: ``rl.reward`` on each response; group-normalised advantages (``advantages``);
+4. log-probabilities: with ``loss.old_logprobs=data`` the policy's own, from ``worker.logprobs``
+   (``recompute`` and the reference model run inside the worker's step);
+5. train: one optimizer step over exactly these rows (``PolicyWorker.train_step``), whose
+   metrics row also carries the loop's numbers (rewards, lengths, the time split, weight sync).
+
+Checkpoints follow the trainer's rules (``checkpoint.interval``, the run lock, config drift,
+atomic writes, kill -9): the prompt stream's position is saved with each, so a resumed loop
+draws the prompts and samples the responses an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from backend.data.sampler import WindowSampler
+from backend.distributed.collectives import all_gather_objects
+from backend.train.checkpoint_meta import check_sampler_state
+from backend.train.preemption import StopRequest
+
+from .advantages import group_advantages, zero_variance_share
+from .prompts import Prompt, read_prompts
+from .reward import RewardError, load_reward, score
+
+log = logging.getLogger(__name__)
+
+
+def sampling_seed(seed: int, step: int, slot: int) -> int:
+    """The generator seed of the ``slot``-th prompt of ``step``: independent of rank and world size."""
+    return int(np.random.SeedSequence([seed, step, slot]).generate_state(1)[0])
+
+
+def stop_token_ids(cfg, tokenizer) -> list[int]:
+    """``rl.stop_token_ids``, else model.hf_checkpoint's ``eos_token_id``, else the tokenizer's
+    end of document (``data.append_eod``), else none."""
+    if cfg.rl.stop_token_ids:
+        return list(cfg.rl.stop_token_ids)
+    if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
+        eos = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text()).get("eos_token_id")
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    eod = getattr(tokenizer, "eod_id", None)
+    return [eod] if eod is not None else []
+
+
+class GRPOLoop:
+    """Drives a ``PolicyWorker`` and a generator (``HFGenerator`` or ``VLLMGenerator``)."""
+
+    def __init__(self, worker, generator):
+        self.worker, self.generator = worker, generator
+        cfg = self.cfg = worker.cfg
+        rl = cfg.rl
+        self.prompts: list[Prompt] = read_prompts(
+            rl.prompts, worker.tokenizer, cfg.data, max_new_tokens=rl.max_new_tokens
+        )
+        self.reward_fn = load_reward(rl.reward)
+        self.sampler = WindowSampler(len(self.prompts), rl.prompts_per_step, cfg.train.seed)
+        state = worker.resumed_state
+        if state is not None:  # the prompt stream's position at the checkpoint this run resumed from
+            source = f"the checkpoint of step {worker.step}"
+            self.sampler.load_state_dict(check_sampler_state(state.get("prompts"), source, "caller_state.prompts"))
+        self.last_sync = None  # SyncStats of the load that gave the generator its current weights
+
+    def sync_weights(self):
+        """Stream the policy's weights into the generator (every rank iterates: the gathers are collectives)."""
+        self.last_sync = self.generator.load_weights(self.worker.hf_weights())
+        return self.last_sync
+
+    def rollouts(self, step: int) -> tuple[list[dict], dict]:
+        """This step's rows (every rank the same) and the loop's metrics of them."""
+        rl, env = self.cfg.rl, self.worker.env
+        ids = self.sampler.next_window()
+        mine: dict[int, tuple[list, list[float]]] = {}
+        error = None
+        start = time.perf_counter()
+        for slot in range(env.rank, len(ids), env.world_size):
+            prompt = self.prompts[int(ids[slot])]
+            completions = self.generator.generate(
+                prompt.token_ids,
+                rl.samples_per_prompt,
+                rl.temperature,
+                rl.max_new_tokens,
+                sampling_seed(self.cfg.train.seed, step, slot),
+            )
+            rewards = []
+            try:
+                for k, c in enumerate(completions):
+                    response = self.worker.tokenizer.decode(c.token_ids)
+                    where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
+                    rewards.append(score(self.reward_fn, rl.reward, prompt.text, response, prompt.row, where=where))
+            except RewardError as e:
+                error = str(e)
+                break
+            mine[slot] = ([(c.token_ids, c.logprobs, c.stopped) for c in completions], rewards)
+        generate_s = time.perf_counter() - start
+        parts = all_gather_objects((mine, error)) if env.world_size > 1 else [(mine, error)]
+        errors = [e for _, e in parts if e]
+        if errors:
+            raise RewardError(errors[0] + " (nothing of this step was trained)")
+        merged: dict[int, tuple[list, list[float]]] = {}
+        for part, _ in parts:
+            merged.update(part)
+        rewards = np.asarray([merged[slot][1] for slot in range(len(ids))], dtype=np.float64)
+        advantages = group_advantages(rewards, scale=rl.scale_rewards)
+        rows, lengths, stopped = [], [], []
+        for slot in range(len(ids)):
+            prompt = self.prompts[int(ids[slot])]
+            n = len(prompt.token_ids)
+            for k, (tokens, _, was_stopped) in enumerate(merged[slot][0]):
+                rows.append(
+                    {
+                        "input_ids": prompt.token_ids + list(tokens),
+                        "loss_mask": [0] * n + [1] * len(tokens),
+                        "advantages": float(advantages[slot, k]),
+                    }
+                )
+                lengths.append(len(tokens))
+                stopped.append(was_stopped)
+        generated = int(sum(lengths))
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_min": float(rewards.min()),
+            "reward_max": float(rewards.max()),
+            "response_length_mean": float(np.mean(lengths)),
+            "response_length_min": int(min(lengths)),
+            "response_length_max": int(max(lengths)),
+            "response_stopped_share": float(np.mean(stopped)),
+            "zero_variance_groups": zero_variance_share(rewards),
+            "generated_tokens": generated,
+            "generate_s": generate_s,
+            "generate_tokens_per_s": generated / max(generate_s, 1e-9),
+        }
+        return rows, metrics
+
+    def step(self) -> dict:
+        """One loop step (see the module docstring); returns the step's metrics row."""
+        worker = self.worker
+        step = worker.step + 1
+        rows, metrics = self.rollouts(step)
+        start = time.perf_counter()
+        if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
+            for row, lp in zip(rows, worker.logprobs(rows)):
+                row["old_logprobs"] = lp
+        metrics["logprobs_s"] = time.perf_counter() - start
+        if self.last_sync is not None:
+            metrics["weight_sync_s"] = self.last_sync.seconds
+            metrics["weight_sync_bytes"] = self.last_sync.bytes
+        row = worker.train_step(rows, extra_metrics=metrics)
+        self.sync_weights()  # reported in the next step's row: the weights that step samples with
+        return row
+
+    def state(self) -> dict:
+        return {"prompts": {"sampler": self.sampler.state_dict()}}
+
+    def save(self) -> Path:
+        return self.worker.save(self.state())
+
+    def run(self) -> str:
+        """Steps up to ``train.train_iters``; returns "finished", "preempted" (SIGTERM / SIGUSR1) or
+        "interrupted" (Ctrl-C), the last two after saving the step every rank reached."""
+        cfg, worker = self.cfg, self.worker
+        if worker.step >= cfg.train.train_iters:
+            if worker.env.is_main:
+                log.warning(
+                    "this run already finished: step %d of train.train_iters=%d is checkpointed; nothing to train "
+                    "(raise train.train_iters to continue it)",
+                    worker.step,
+                    cfg.train.train_iters,
+                )
+            return "finished"
+        if self.last_sync is None:
+            self.sync_weights()
+        stop = StopRequest().install()
+        try:
+            while worker.step < cfg.train.train_iters:
+                self.step()
+                if stop.agreed(worker.env.device):
+                    self.save()
+                    log.warning("stop signal (%s): saved step %d, exiting to be resumed", stop.signal_name, worker.step)
+                    return "interrupted" if stop.signal_name == "SIGINT" else "preempted"
+                interval = cfg.checkpoint.interval
+                if (interval and worker.step % interval == 0) or worker.step == cfg.train.train_iters:
+                    self.save()
+            return "finished"
+        finally:
+            stop.uninstall()

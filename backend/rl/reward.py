@@ -1,0 +1,66 @@
+"""The reward function of ``rl.reward``: ``module:function`` (imported) or ``path.py:function``
+(a file loaded as a module), called as ``fn(prompt, response, row) -> float``.
+
+A reward that raises, or returns something that is not a finite number, stops the loop before
+anything is trained on that step's rollouts, with an error naming the function, the prompt's
+file and line, the sample and what happened (the function's own exception is chained).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from backend.config import ConfigError
+from backend.errors import UserError
+
+
+class RewardError(UserError):
+    """The reward function failed on a rollout, or returned a non-finite value."""
+
+
+def load_reward(spec: str) -> Callable:
+    """The callable ``spec`` names (see the module docstring)."""
+    if not spec or ":" not in spec:
+        raise ConfigError(
+            f"rl.reward={spec!r}: expected 'module:function' or 'path/to/file.py:function' (called as "
+            f"fn(prompt, response, row) -> float)"
+        )
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"rl.reward={spec!r}: no such file {path}")
+        module_name = f"_backend_rl_reward_{abs(hash(str(path.resolve())))}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ConfigError(f"rl.reward={spec!r}: cannot import {target!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"rl.reward={spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def score(fn: Callable, spec: str, prompt: str, response: str, row: dict, *, where: str) -> float:
+    """``fn(prompt, response, row)`` as a finite float, or a ``RewardError`` saying why not."""
+    try:
+        value = fn(prompt, response, row)
+    except Exception as e:
+        raise RewardError(f"rl.reward={spec}: raised {type(e).__name__}: {e} (on {where})") from e
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardError(f"rl.reward={spec}: returned {value!r} ({type(value).__name__}), not a number (on {where})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RewardError(f"rl.reward={spec}: returned {value} (on {where}); a reward must be finite")
+    return value

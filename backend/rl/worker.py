@@ -1,0 +1,217 @@
+"""``PolicyWorker``: the trainer fed from memory, for an RL loop in the same process.
+
+SPMD, as NeMo-RL's and verl's workers are called: under torchrun every rank constructs the worker
+and calls the same methods with the same arguments (checked: a hash of the rows is compared
+across ranks, so a caller that hands ranks different rows gets an error, not a hang). The worker
+plans (the same planner as ``python -m backend.train``), shards over dp x cp, and restores the
+caller's order in what it returns.
+
+    worker = PolicyWorker.from_config("configs/grpo_demo.yaml", ["optimizer.lr=1e-4"])
+    lp = worker.logprobs(rows)                    # per-token log p, entry 0 NaN, caller's order
+    row = worker.train_step(rows)                 # one optimizer step over exactly these rows
+    for name, tensor in worker.hf_weights():      # HF names, full tensors, one at a time
+        generator.load_weights([(name, tensor)])
+    worker.save(); worker.close()
+
+Rows are dicts with the JSONL row fields (``input_ids``, ``loss_mask``, ``loss_weight``,
+``advantages``, ``old_logprobs``, ``ref_logprobs``; or ``text`` / ``messages``), lists or numpy
+arrays, validated by the same parser as a data file (a bad row names ``rows[i]`` and the field).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backend.config import ConfigError, load_config, validate
+from backend.data.iterator import planner_from_config, window_data
+from backend.data.memory_rows import rows_dataset
+from backend.data.row_fields import PASS_THROUGH, row_fields
+from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
+from backend.distributed.setup import init_distributed, shutdown_distributed
+from backend.train.forward_only import compute_logprobs
+from backend.train.hf_export import export_fields
+from backend.train.rollout import fill_window
+from backend.train.trainer import Trainer
+
+from . import weights
+
+log = logging.getLogger(__name__)
+
+MODELS = ("policy", "reference")
+
+
+def _rows_digest(dataset) -> str:
+    """A hash of every sample's tokens and per-token fields (what the ranks must agree on)."""
+    h = hashlib.sha256()
+    for i in range(len(dataset)):
+        s = dataset[i]
+        for name in ("tokens", "loss_mask", "loss_weight", "advantages", "old_logprobs", "ref_logprobs"):
+            value = getattr(s, name, None)
+            h.update(name.encode())
+            if value is not None:
+                h.update(np.ascontiguousarray(value).tobytes())
+    return h.hexdigest()
+
+
+def check_worker_config(cfg) -> None:
+    """What a worker fed from memory cannot do as the CLI does, refused with the key to change."""
+    loss = cfg.loss
+    if loss.type == "policy" and loss.old_logprobs == "recompute" and loss.minibatches_per_rollout > 1:
+        raise ConfigError(
+            "loss.minibatches_per_rollout>1 with loss.old_logprobs=recompute: a worker fed from memory does not know "
+            "your rollout batches; compute old log-probabilities once per batch with worker.logprobs(rows) and set "
+            "loss.old_logprobs=data (or keep loss.minibatches_per_rollout=1)"
+        )
+
+
+class PolicyWorker:
+    """The policy trainer of one process of an SPMD world (see the module docstring)."""
+
+    def __init__(self, trainer: Trainer, *, owns_world: bool = False):
+        self.trainer = trainer
+        self.owns_world = owns_world
+        self.fields = export_fields(trainer.cfg, trainer.model_fields)
+        self.closed = False
+
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: Sequence[str] = (), *, env=None) -> PolicyWorker:
+        """Build what ``python -m backend.train`` builds (model from ``model.hf_checkpoint`` or the
+        seed, optimizer, schedule, FSDP2 x CP, the reference model when ``loss.reference_checkpoint``
+        is set), take the run directory's lock, write ``config.yaml``, and resume from the run's
+        newest checkpoint when there is one. ``env``: an existing ``init_distributed`` world (else
+        one is joined, or formed for a single process, and shut down by ``close``)."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1")) if env is None else env.world_size
+        cfg = validate(load_config(path, list(overrides)), world_size=world_size, from_memory=True)
+        check_worker_config(cfg)
+        owns = env is None and not dist.is_initialized()
+        if env is None:
+            env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        try:
+            trainer = Trainer(cfg, env, from_memory=True)
+        except BaseException:
+            if owns:
+                shutdown_distributed()
+            raise
+        return cls(trainer, owns_world=owns)
+
+    # What callers read.
+    @property
+    def cfg(self):
+        return self.trainer.cfg
+
+    @property
+    def env(self):
+        return self.trainer.env
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (a resumed run starts at its checkpoint's step)."""
+        return self.trainer.step
+
+    @property
+    def tokenizer(self):
+        return self.trainer.tokenizer
+
+    @property
+    def resumed_state(self) -> dict | None:
+        """The ``state`` given to ``save`` in the checkpoint this worker resumed from (None: a fresh run)."""
+        meta = self.trainer.resumed_meta
+        return None if meta is None else meta.get("caller_state")
+
+    def _model(self, model: str):
+        if model not in MODELS:
+            raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
+        if model == "reference":
+            if self.trainer.reference is None:
+                raise ConfigError("model='reference': set loss.reference_checkpoint to load a reference model")
+            return self.trainer.reference
+        return self.trainer.model
+
+    def logprobs(self, rows: Sequence[dict], model: str = "policy") -> list[np.ndarray]:
+        """Per-token log-probabilities of each row's tokens under ``model`` ("policy" or
+        "reference"): float32 arrays as long as the row, aligned like ``old_logprobs`` (entry t is
+        token t as a target; entry 0 NaN), in the caller's order, on every rank. Planned under
+        ``train.forward_max_tokens_per_gpu`` in the configured layout and dp x cp."""
+        cfg, env = self.cfg, self.env
+        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
+        check_same_arguments(_rows_digest(dataset), what="logprobs rows")
+        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        samples = [dataset[i] for i in range(len(dataset))]
+        values = compute_logprobs(self._model(model), samples, env, planner)
+        return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
+
+    def train_step(self, rows: Sequence[dict], extra_metrics: dict | None = None) -> dict:
+        """One optimizer step whose window is exactly ``rows`` (any count), through the CLI's
+        planner, loss, window normalisation and guards; returns the step's metrics row (as written
+        to ``metrics.jsonl``, with ``extra_metrics`` merged in) and appends it there."""
+        trainer, cfg, env = self.trainer, self.cfg, self.env
+        start = time.perf_counter()
+        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=row_fields(cfg.loss), limit=True)
+        check_same_arguments(_rows_digest(dataset), what="train_step rows")
+        data = window_data(
+            dataset,
+            np.arange(len(dataset)),
+            trainer.planner,
+            dp_rank=env.dp_rank,
+            cp_rank=env.cp_rank,
+            cp_size=env.cp_size,
+        )
+        trainer.step += 1
+        try:
+            check_plan_agreement(data.plan, step=trainer.step)
+            recompute = trainer.policy and cfg.loss.old_logprobs == "recompute"
+            fill_window(data, env, policy=trainer.model if recompute else None, reference=trainer.reference)
+            return trainer.train_window(
+                data, time.perf_counter() - start, source="rows", report=dataset.report, extra=extra_metrics
+            )
+        except BaseException:
+            trainer.step -= 1  # nothing was applied: the next call trains this step again
+            raise
+
+    def weight_metadata(self, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(HF name, dtype, shape) of each tensor ``hf_weights(dtype)`` yields, in the same order."""
+        return weights.weight_metadata(self.trainer.model, self.fields, dtype)
+
+    def hf_weights(self, dtype=None, *, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full unsharded tensor) pairs, one parameter at a time, on ``device``
+        (default: the model's device); every rank must iterate to the end in lockstep. Bitwise the
+        tensors ``tools/export_hf.py`` writes at the same weights and dtype (None: FP32)."""
+        return weights.hf_weights(self.trainer.model, self.fields, dtype, device=device or self.env.device)
+
+    def hf_config(self, dtype=None) -> dict:
+        """The config.json a generator builds its model from (``export_hf`` writes the same)."""
+        from backend.model.hf.export import hf_config_dict
+
+        return hf_config_dict(self.fields, dtype=weights.export_dtype(dtype, self.trainer.model))
+
+    def save(self, state: dict | None = None) -> Path:
+        """A checkpoint of the current step that ``python -m backend.train`` and ``from_config``
+        resume; ``state`` (JSON-serialisable: a loop's prompt stream position) comes back as
+        ``resumed_state``."""
+        return self.trainer.save(state)
+
+    def close(self) -> None:
+        """Flush the metrics, release the run directory, and leave the world if this worker joined it."""
+        if self.closed:
+            return
+        self.closed = True
+        self.trainer.metrics.close()
+        for lock in self.trainer.locks:
+            lock.release()
+        if self.owns_world:
+            shutdown_distributed()
+
+    def __enter__(self) -> PolicyWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""The in-process generator fed by the worker's weight stream (one gloo process, CPU, FP32):
+
+- after a weight load its logits equal a ``transformers`` model loaded from the exported
+  directory (``tools/export_hf.py``'s library call), bitwise;
+- sampling is a function of the seed; the sampler's log-probabilities are the trainer's to FP32
+  rounding; ids past the tokenizer's vocabulary are never sampled; stop ids end a response;
+- a weight stream with a missing, unknown or misshapen tensor is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.bench.rl_rows import rl_rows
+from backend.rl import PolicyWorker
+from backend.rl.generate import HFGenerator
+from tests.conftest import TINY
+
+OVERRIDES = [
+    "loss.type=policy",
+    "loss.old_logprobs=detach",
+    "data.max_seq_length=128",
+    "train.dynamic_batch_enable=true",
+    "train.max_tokens_per_gpu=512",
+    "optimizer.lr=0.01",
+    "scheduler.warmup_iters=0",
+]
+PROMPT = list(b"def add(a, b):")
+
+
+@pytest.fixture(scope="module")
+def trained(world, tmp_path_factory, embedded_cache):
+    """A worker after one step (so the weights are not the initial ones) and a generator synced to it."""
+    run = tmp_path_factory.mktemp("rl_generate")
+    worker = PolicyWorker.from_config(TINY, [*OVERRIDES, f"logger.run_dir={run}"], env=world)
+    rows = rl_rows(8, seed=4, max_len=60)
+    for r in rows:
+        del r["old_logprobs"], r["ref_logprobs"]
+    worker.train_step(rows)
+    gen = HFGenerator.from_worker(worker)
+    yield worker, gen, run
+    worker.close()
+
+
+def test_generator_logits_equal_transformers_on_the_exported_directory(trained, world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from backend.train.hf_export import export_checkpoint
+
+    worker, gen, _ = trained
+    step_dir = worker.save()
+    out = export_checkpoint(step_dir, worker.cfg, tmp_path / "hf", world, dtype="fp32")
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.tensor([PROMPT + list(b" return a + b\n")])
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits.float()
+    assert torch.equal(gen.logits(ids), want)
+
+
+def test_sampling_follows_the_seed_and_reports_the_trainers_logprobs(trained):
+    worker, gen, _ = trained
+    a = gen.generate(PROMPT, 6, 0.7, 12, seed=3)
+    b = gen.generate(PROMPT, 6, 0.7, 12, seed=3)
+    c = gen.generate(PROMPT, 6, 0.7, 12, seed=4)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert all(len(x.token_ids) == len(x.logprobs) == 12 and not x.stopped for x in a)
+    # At T = 1 the sampler's distribution is the policy's: its log-probabilities are the worker's.
+    ones = gen.generate(PROMPT, 4, 1.0, 12, seed=5)
+    rows = [{"input_ids": PROMPT + x.token_ids} for x in ones]
+    for x, lp in zip(ones, worker.logprobs(rows)):
+        assert np.max(np.abs(np.asarray(x.logprobs) - lp[len(PROMPT) :])) <= 2e-6
+    # At T = 0.7 the sampler's are log softmax(logits / 0.7): a sharper distribution, higher values.
+    assert np.mean([np.mean(x.logprobs) for x in a]) > np.mean([np.mean(x.logprobs) for x in ones])
+
+
+def test_vocabulary_limit_and_stop_ids(trained):
+    worker, _, _ = trained
+    gen = HFGenerator(worker.hf_config(), vocab_limit=100, stop_token_ids=[ord(" "), ord("\n")])
+    gen.load_weights(worker.hf_weights())
+    out = gen.generate(PROMPT, 16, 1.0, 20, seed=1)
+    assert all(t < 100 for x in out for t in x.token_ids)
+    for x in out:
+        inner = x.token_ids[:-1]
+        assert not ({ord(" "), ord("\n")} & set(inner))  # nothing after the first stop id
+        assert x.stopped == (x.token_ids[-1] in (ord(" "), ord("\n")))
+    assert any(x.stopped for x in out) and any(len(x.token_ids) < 20 for x in out)
+
+
+def test_a_bad_weight_stream_is_refused_naming_the_tensor(trained):
+    worker, gen, _ = trained
+    pairs = list(worker.hf_weights())
+    with pytest.raises(KeyError, match="lacked 1 parameter"):
+        gen.load_weights(pairs[1:])
+    with pytest.raises(KeyError, match="no parameter 'model.bogus.weight'"):
+        gen.load_weights([*pairs, ("model.bogus.weight", torch.zeros(1))])
+    name, tensor = pairs[0]
+    with pytest.raises(ValueError, match=f"{name} has shape"):
+        gen.load_weights([(name, tensor[:-1]), *pairs[1:]])
+    stats = gen.load_weights(pairs)  # a complete stream still loads
+    assert stats.tensors == len(pairs) and stats.bytes == sum(t.numel() * 4 for _, t in pairs)
