@@ -19,7 +19,7 @@ are kept as they are:
         --output rollouts_ref.jsonl --merge-as ref_logprobs --checkpoint checkpoints/ref/step_00001000
 Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
 else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
-the pickle-free loader (backend.train.safe_dcp), their parameter names and shapes checked against
+the pickle-free loader (backend.checkpoint.safe_dcp), their parameter names and shapes checked against
 the configured model first. A user error (a bad config key, data line or checkpoint) prints one
 ``error:`` line and exits 2.
 """
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
             raise UserError("set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)")
 
+        from backend.checkpoint.store import complete_checkpoints, load_model_weights
         from backend.distributed.setup import init_distributed, shutdown_distributed
         from backend.model.factory import build_model
-        from backend.train.checkpoint import complete_checkpoints, load_model_weights
         from backend.train.forward_only import compute_logprobs
 
         env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)

@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
+    from backend.checkpoint.hf_export import export_checkpoint
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.errors import UserError, run_main
-    from backend.train.hf_export import export_checkpoint
 
     def run() -> int:
         env = init_distributed(1, cfg.parallel.backend)

@@ -314,7 +314,7 @@ OLD_LOGPROB_SOURCES = ("data", "recompute", "detach")
 
 @dataclass
 class LossConfig:
-    """The training objective (``backend/train/policy_loss.py`` has the formulas).
+    """The training objective (``backend/loss/policy.py`` has the formulas).
 
     cross_entropy: sum(loss_weight x token cross-entropy) / the window's loss tokens, as always.
     policy: the PPO/GRPO clipped objective per loss token t, with r = exp(clamp(lp - old)):

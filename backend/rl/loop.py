@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from backend.checkpoint.meta import check_sampler_state
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
-from backend.train.checkpoint_meta import check_sampler_state
 from backend.train.preemption import StopRequest
 
 from .advantages import group_advantages, zero_variance_share

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from backend.checkpoint.hf_export import export_fields
 from backend.config import ConfigError, load_config, validate
 from backend.data.iterator import planner_from_config, window_data
 from backend.data.memory_rows import rows_dataset
@@ -38,7 +39,6 @@ from backend.data.row_fields import PASS_THROUGH, row_fields
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_distributed, shutdown_distributed
 from backend.train.forward_only import compute_logprobs
-from backend.train.hf_export import export_fields
 from backend.train.rollout import fill_window
 from backend.train.trainer import Trainer
 

@@ -13,6 +13,7 @@ import torch
 from backend.data.iterator import collate_plan
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import forward_only
+from backend.loss.cross_entropy import window_normaliser
 
 from .step import microbatch_loss_sum, placeholder_microbatch
 
@@ -28,4 +29,4 @@ def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[floa
                 model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env
             ).double()
         tokens = int(dataset.loss_token_counts[ids].sum())
-        return float(dist_sum(local) / max(1, tokens)), tokens
+        return float(dist_sum(local) / window_normaliser(tokens)), tokens

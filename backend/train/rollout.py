@@ -19,10 +19,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from backend.checkpoint.store import load_model_weights, resolve_step_dir
 from backend.data.iterator import StepData
 from backend.model.factory import build_model
 
-from .checkpoint import load_model_weights, resolve_step_dir
 from .forward_only import fill_logprobs
 
 log = logging.getLogger(__name__)

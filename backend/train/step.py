@@ -28,10 +28,10 @@ from backend.data.collate import MicrobatchTensors
 from backend.data.iterator import StepData
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import set_grad_sync
+from backend.loss.cross_entropy import weighted_token_sum, window_normaliser
+from backend.loss.policy import WindowStats, policy_token_terms, token_scale
 from backend.model import moe_stats
 from backend.model.builder import token_logprobs, token_losses
-
-from .policy_loss import WindowStats, policy_token_terms, token_scale
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -89,7 +89,7 @@ def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
     """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch."""
     mb = mb.to(env.device)
     losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
-    return (losses * mb.loss_weight).sum()
+    return weighted_token_sum(losses, mb.loss_weight)
 
 
 def forward_backward(
@@ -111,7 +111,7 @@ def forward_backward(
     """
     if loss_cfg is not None and loss_cfg.type == "policy":
         return policy_forward_backward(model, data, env, loss_cfg, microbatch_hook=microbatch_hook)
-    normaliser = max(1, data.global_loss_tokens)
+    normaliser = window_normaliser(data.global_loss_tokens)
     local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
 
     def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError
+from backend.checkpoint.metrics_rewind import rewind_metrics
+from backend.checkpoint.resume import resume_latest
+from backend.checkpoint.run_lock import hold_run_dirs
+from backend.checkpoint.store import save_checkpoint
 from backend.config import Config, ConfigError, checkpoint_dir, save_config
 from backend.config.run_values import resolve_run_config
 from backend.data.build import build_dataset
@@ -27,16 +31,12 @@ from backend.logging.console import format_end_summary, format_startup_summary, 
 from backend.logging.metrics import MetricsLogger, plan_metrics
 from backend.model.factory import build_model
 
-from .checkpoint import save_checkpoint
 from .evaluate import validation_loss
 from .memory_meter import MemoryMeter, resident_tensors
 from .memory_probe import probe_memory
-from .metrics_rewind import rewind_metrics
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopRequest
-from .resume import resume_latest
 from .rollout import RolloutStream, build_reference
-from .run_lock import hold_run_dirs
 from .step import train_step
 
 log = logging.getLogger(__name__)

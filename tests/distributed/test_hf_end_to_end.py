@@ -26,9 +26,14 @@ import transformers  # noqa: E402  (a dev dependency: a missing one fails, never
 HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env() -> dict:
-    """The subprocess environment, read when the command runs (the test's run directory is set then)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    """The subprocess environment, read when the command runs (the test's run directory is set
+    then), without the in-process world's rendezvous (``world`` sets it; a child would reuse its port)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
 CONVERSATION = [
@@ -109,9 +114,9 @@ def test_import_train_export_round_trip(tmp_path, tiny_hf, world):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from backend.checkpoint.safe_dcp import safe_load
     from backend.config import load_config
     from backend.model.factory import build_model
-    from backend.train.safe_dcp import safe_load
     from tests.helpers.hf_tiny import hf_logits, our_logits, right_padded_batch
 
     hf_dir, hf = tiny_hf["llama"]

@@ -87,6 +87,42 @@ def test_a_checkpoint_of_another_shape_is_one_error_line(tmp_path, trained, tool
     assert str(step) in errors[0] and "has shape [" in errors[0] and "64" in errors[0] and "128" in errors[0]
 
 
+class _Touch:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.path}'",))
+
+
+@pytest.mark.parametrize("tool", ["compute_logprobs", "export_hf"])
+def test_a_planted_metadata_payload_is_one_error_line_and_never_runs(tmp_path, trained, tool):
+    """The checkpoint's .metadata replaced by a pickle whose loading would run a command: both
+    tools refuse it in one ``error:`` line naming the file (exit 2), and the command never runs."""
+    import pickle
+    import shutil
+
+    run, common = trained
+    step = tmp_path / "planted" / "step_00000001"
+    shutil.copytree(run / "checkpoints" / "step_00000001", step)
+    shutil.copy(run / "config.yaml", tmp_path / "planted" / "config.yaml")
+    marker = tmp_path / "MARKER"
+    (step / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"text": "abc"}) + "\n")
+    if tool == "compute_logprobs":
+        cmd = [sys.executable, "tools/compute_logprobs.py", TINY, *common, "train.forward_max_tokens_per_gpu=64"]
+        cmd += ["--input", str(samples), "--output", str(tmp_path / "o"), "--checkpoint", str(step)]
+    else:
+        cmd = [sys.executable, "tools/export_hf.py", str(step), "--config", str(tmp_path / "planted" / "config.yaml")]
+        cmd += ["--output", str(tmp_path / "hf")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not marker.exists()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{step}/.metadata" in errors[0] and "refusing" in errors[0], proc.stderr[-2000:]
+
+
 def test_merge_as_writes_training_rows_a_policy_run_reads(tmp_path, embedded_cache):
     """--merge-as ref_logprobs: the input rows come back with the field added (entry 0 null), and a
     policy run with kl_coef reads them as data."""

@@ -37,6 +37,11 @@ COMMON = [
     "train.forward_max_tokens_per_gpu=128",
     "scheduler.warmup_iters=0",
     "optimizer.lr=0.01",
+    f"rl.prompts={REPO / 'configs/grpo_demo/prompts.jsonl'}",
+    f"rl.reward={REPO / 'configs/grpo_demo/reward.py'}:reward",
+    "rl.prompts_per_step=5",
+    "rl.samples_per_prompt=3",
+    "rl.max_new_tokens=6",
 ]
 LAYOUTS = {1: "padded", 2: "packed"}
 
@@ -88,6 +93,11 @@ def _rank(rank: int, world: int, tmp: str, rows_path: str) -> dict | None:
         again.resumed_state,
         torch.equal(_params(again.trainer.model), _params(worker.trainer.model)),
     )
+    # The GRPO loop's rollouts: prompts split over the ranks, gathered, every rank the same rows.
+    from backend.rl.generate import HFGenerator
+    from backend.rl.loop import GRPOLoop
+
+    rollouts, _ = GRPOLoop(again, HFGenerator.from_worker(again)).rollouts(step=2)
     again.close()
     if rank:
         return None
@@ -102,6 +112,7 @@ def _rank(rank: int, world: int, tmp: str, rows_path: str) -> dict | None:
         step_dir=str(step_dir),
         resumed=resumed,
         mbs=out["num_microbatches"],
+        rollouts=rollouts,
     )
 
 
@@ -182,3 +193,11 @@ def test_hf_weights_equal_the_exported_files_bitwise(results, tmp_path):
 def test_a_worker_checkpoint_resumes_with_the_callers_state(results, world):
     step, state, same = results[1][world]["resumed"]
     assert step == 1 and state == {"prompts": {"sampler": {"consumed": 7}}, "note": [1, 2]} and same
+
+
+def test_the_loops_rollouts_do_not_depend_on_the_number_of_ranks(results):
+    """Five prompts over two ranks (3 + 2), gathered: the same rows, in the same order, as one rank
+    (each prompt's sampling seed depends on the seed, the step and its place only)."""
+    one, two = results[1][1]["rollouts"], results[1][2]["rollouts"]
+    assert len(one) == 15 and one == two
+    assert len({tuple(r["input_ids"]) for r in one}) > 5  # real samples, not one repeated

@@ -43,8 +43,8 @@ def test_return_values_become_the_exit_status():
 
 
 def test_config_and_resume_errors_are_user_errors():
+    from backend.checkpoint.store import ResumeError
     from backend.config import ConfigError
-    from backend.train.checkpoint import ResumeError
 
     assert is_user_error(ConfigError("x")) and is_user_error(ResumeError("x"))
     assert not is_user_error(ValueError("x"))

@@ -31,7 +31,7 @@ def test_tool_usage_examples_keep_their_line_breaks(tool):
 
 
 def test_byte_tokenizer_export_says_it_writes_no_tokenizer():
-    from backend.train.hf_export import _tokenizer_source, tokenizer_note
+    from backend.checkpoint.hf_export import _tokenizer_source, tokenizer_note
 
     cfg = load_config(None, ["data.tokenizer=byte"])
     assert _tokenizer_source(cfg) is None

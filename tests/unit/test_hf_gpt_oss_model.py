@@ -16,9 +16,9 @@ import pytest
 import torch
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
+from backend.checkpoint.hf_export import full_named_tensors  # noqa: E402
 from backend.model.hf.export import export_hf_dir  # noqa: E402
 from backend.model.hf.gpt_oss import deinterleave_gate_up  # noqa: E402
-from backend.train.hf_export import full_named_tensors  # noqa: E402
 from tests.helpers.hf_tiny import (  # noqa: E402
     build_from_hf,
     hf_logits,

@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
 
+from backend.checkpoint.hf_export import full_named_tensors  # noqa: E402
 from backend.config.hf import read_hf_config  # noqa: E402
 from backend.model.hf.export import export_hf_dir  # noqa: E402
 from backend.model.rope import Rope  # noqa: E402
-from backend.train.hf_export import full_named_tensors  # noqa: E402
 from tests.helpers.hf_tiny import KINDS, build_from_hf, hf_logits, our_logits, right_padded_batch  # noqa: E402
 
 TOL = 1e-4
@@ -87,14 +87,14 @@ def test_bf16_export_is_bf16(world, tiny_hf, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
 def test_export_of_our_checkpoint_is_bitwise_without_training(world, tiny_hf, kind, tmp_path):
-    """import -> our distributed checkpoint -> backend.train.hf_export (what tools/export_hf.py
+    """import -> our distributed checkpoint -> backend.checkpoint.hf_export (what tools/export_hf.py
     runs): every tensor equals the original checkpoint's bitwise, the config.json round-trips."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from backend.checkpoint.hf_export import export_checkpoint
     from backend.config import load_config
-    from backend.train.hf_export import export_checkpoint
     from tests.helpers.hf_tiny import hf_overrides
 
     hf_dir, _ = tiny_hf[kind]

@@ -28,14 +28,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from backend.checkpoint.bounded_pickle import UnsafeCheckpointError
+from backend.checkpoint.files import CheckpointFileError, load_rng_file, only_torch_safe_globals
+from backend.checkpoint.resume import resume_latest
+from backend.checkpoint.safe_dcp import read_metadata_file, safe_load
+from backend.checkpoint.store import complete_checkpoints, load_model_weights, resolve_step_dir, save_checkpoint
 from backend.config import load_config
 from backend.errors import CheckpointError
-from backend.train.bounded_pickle import UnsafeCheckpointError
-from backend.train.checkpoint import complete_checkpoints, load_model_weights, resolve_step_dir, save_checkpoint
-from backend.train.checkpoint_files import CheckpointFileError, load_rng_file, only_torch_safe_globals
 from backend.train.optim import build_optimizer, build_scheduler
-from backend.train.resume import resume_latest
-from backend.train.safe_dcp import read_metadata_file, safe_load
 
 REPO = Path(__file__).resolve().parents[2]
 STEP1, STEP2 = "step_00000001", "step_00000002"
@@ -310,6 +310,56 @@ def test_a_step_directory_that_is_a_symlink_is_skipped_and_refused(ckpt, world, 
     with pytest.raises(CheckpointFileError, match="step directory that is a symbolic link"):
         load_model_weights(Run(cfg).model, ckpt / STEP2)
     assert resume(ckpt, world, cfg, caplog)["step"] == 1
+
+
+@pytest.mark.parametrize("occupant", ["symlink", "file", "dangling"])
+def test_a_step_name_held_by_a_link_or_a_file_is_replaced_without_following_it(
+    ckpt, world, cfg, caplog, tmp_path, occupant
+):
+    """A save of step 3 where step_00000003 (and its temporary name) is a symbolic link to a
+    directory elsewhere, a plain file or a dangling link: the link itself is replaced, with a
+    warning; nothing it points at is touched; the new checkpoint resumes."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("precious")
+    for name in ("step_00000003", ".tmp_step_00000003"):
+        path = ckpt / name
+        if occupant == "symlink":
+            path.symlink_to(elsewhere)
+        elif occupant == "file":
+            path.write_text("not a checkpoint")
+        else:
+            path.symlink_to(tmp_path / "missing")
+    run = Run(cfg)
+    run.step()
+    extra = {
+        "data": {"sampler": {"consumed": 6, "seed": 1, "num_samples": 10, "global_batch_size": 2, "shuffle": True}},
+        "wandb_run_id": None,
+        "config": dataclasses.asdict(cfg),
+    }
+    with caplog.at_level(logging.WARNING), within(30):
+        saved = save_checkpoint(ckpt, 3, run.model, run.optimizer, run.scheduler, env=world, extra=extra, keep_last=0)
+    assert saved.is_dir() and not saved.is_symlink() and (saved / "meta.json").is_file()
+    assert (
+        sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+        and (elsewhere / "keep.txt").read_text() == "precious"
+    )
+    warnings = [r.getMessage() for r in caplog.records if "replacing a" in r.getMessage()]
+    assert len(warnings) == 2 and all("occupied a checkpoint's name" in w for w in warnings), warnings
+    assert resume(ckpt, world, cfg, caplog)["step"] == 3
+
+
+def test_a_damaged_tensor_archive_names_the_file_and_the_reason(ckpt, world, cfg, caplog):
+    """Bytes flipped inside a shard's first archive: torch's own reader fails; the warning names
+    the shard, the bytes of the entry and torch's reason (not 'CheckpointException ranks:[0]')."""
+    shard = next((ckpt / STEP2).glob("__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    for i in range(10, 74):
+        data[i] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert_falls_back(ckpt, world, cfg, caplog, names=f"{shard.name} (bytes 0..")
+    warning = " ".join(r.getMessage() for r in caplog.records if "cannot resume" in r.getMessage())
+    assert "unreadable: " in warning and "CheckpointException ranks" not in warning, warning
 
 
 # ---- extra state: no pickle reaches a module ----------------------------------------------------------

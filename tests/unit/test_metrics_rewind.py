@@ -1,11 +1,11 @@
-"""Rewinding metrics.jsonl to a checkpoint's step (backend.train.metrics_rewind)."""
+"""Rewinding metrics.jsonl to a checkpoint's step (backend.checkpoint.metrics_rewind)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from backend.train.metrics_rewind import rewind_metrics
+from backend.checkpoint.metrics_rewind import rewind_metrics
 
 
 def rows(path) -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backend.config.schema import LossConfig
-from backend.train.policy_loss import policy_token_terms, token_scale
+from backend.loss.policy import policy_token_terms, token_scale
 
 POLICY = LossConfig(type="policy")
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from backend.bench.rl_rows import rl_rows, write_rows
+from backend.checkpoint.store import load_model_weights
 from backend.config import load_config, validate
 from backend.data.build import build_dataset
 from backend.data.iterator import StepData, collate_plan, planner_from_config
@@ -30,7 +31,6 @@ from backend.data.row_fields import row_fields, with_logprobs
 from backend.data.sample import Sample
 from backend.logging.metrics import read_metrics
 from backend.model.factory import build_model
-from backend.train.checkpoint import load_model_weights
 from backend.train.forward_only import compute_logprobs, fill_logprobs
 from backend.train.step import forward_backward
 from backend.train.trainer import Trainer

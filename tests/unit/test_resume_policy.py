@@ -1,4 +1,4 @@
-"""Which config changes a resumed run may make (backend.train.resume_policy)."""
+"""Which config changes a resumed run may make (backend.checkpoint.resume_policy)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import dataclasses
 
 import pytest
 
-from backend.config.schema import Config
-from backend.errors import CheckpointError
-from backend.train.resume_policy import (
+from backend.checkpoint.resume_policy import (
     MISSING,
     ResumeConfigError,
     check_resume_config,
@@ -17,6 +15,8 @@ from backend.train.resume_policy import (
     diff_resume_config,
     flatten,
 )
+from backend.config.schema import Config
+from backend.errors import CheckpointError
 
 
 def base() -> dict:
@@ -139,7 +139,7 @@ def test_an_unclassified_key_is_refused():
 def test_every_key_of_the_schema_is_classified_on_purpose():
     """A new config field must be placed in the policy (refused by default otherwise)."""
     unclassified = [k for k in flatten(base()) if "does not classify" in classify(k)[1]]
-    assert not unclassified, f"classify these keys in backend/train/resume_policy.py: {unclassified}"
+    assert not unclassified, f"classify these keys in backend/checkpoint/resume_policy.py: {unclassified}"
 
 
 def test_inputs_are_not_modified():

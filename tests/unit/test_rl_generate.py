@@ -47,7 +47,7 @@ def trained(world, tmp_path_factory, embedded_cache):
 def test_generator_logits_equal_transformers_on_the_exported_directory(trained, world, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from backend.train.hf_export import export_checkpoint
+    from backend.checkpoint.hf_export import export_checkpoint
 
     worker, gen, _ = trained
     step_dir = worker.save()

@@ -1,4 +1,4 @@
-"""One run per directory (backend.train.run_lock), across real processes."""
+"""One run per directory (backend.checkpoint.run_lock), across real processes."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from backend.checkpoint.run_lock import HOLDER_NAME, RunDirLockedError, RunLock, acquire_run_lock
 from backend.errors import UserError
-from backend.train.run_lock import HOLDER_NAME, RunDirLockedError, RunLock, acquire_run_lock
 
 REPO = Path(__file__).resolve().parents[2]
 
 HOLD = """
 import sys, time
-from backend.train.run_lock import acquire_run_lock
+from backend.checkpoint.run_lock import acquire_run_lock
 lock = acquire_run_lock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(600)
@@ -28,7 +28,7 @@ time.sleep(600)
 TRY = """
 import sys
 from backend.errors import run_main
-from backend.train.run_lock import acquire_run_lock
+from backend.checkpoint.run_lock import acquire_run_lock
 sys.exit(run_main(lambda: print("acquired", acquire_run_lock(sys.argv[1]).info["pid"])))
 """
 

@@ -1,4 +1,4 @@
-"""Loading distributed checkpoints without running code from them (backend.train.safe_dcp)."""
+"""Loading distributed checkpoints without running code from them (backend.checkpoint.safe_dcp)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from backend.errors import CheckpointError, UserError
-from backend.train.safe_dcp import (
+from backend.checkpoint.safe_dcp import (
     CheckpointLayoutError,
     SafeFileSystemReader,
     UnsafeCheckpointError,
     read_metadata_file,
     safe_load,
 )
+from backend.errors import CheckpointError, UserError
 
 
 class Touch:

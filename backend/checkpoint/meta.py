@@ -19,7 +19,7 @@ from typing import Any
 
 from backend.errors import CheckpointError
 
-from .checkpoint_files import MAX_META_JSON_BYTES, read_regular
+from .files import MAX_META_JSON_BYTES, read_regular
 
 META = "meta.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -169,7 +169,7 @@ def classify(key: str) -> tuple[bool, str]:
     for prefix, reason in _ALLOWED_SECTIONS.items():
         if key.startswith(prefix):
             return True, reason
-    return False, "a key the resume policy does not classify yet (backend/train/resume_policy.py)"
+    return False, "a key the resume policy does not classify yet (backend/checkpoint/resume_policy.py)"
 
 
 def diff_resume_config(old: dict, new: dict) -> ResumeDiff:

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from backend.distributed.collectives import dist_any
 from backend.errors import CheckpointError
 
-from .checkpoint import ResumeError, complete_checkpoints, load_checkpoint, read_meta
 from .resume_policy import diff_resume_config
 from .safe_dcp import CheckpointLayoutError
+from .store import ResumeError, complete_checkpoints, load_checkpoint, read_meta
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backend.errors import CheckpointError
 
-from .checkpoint_files import check_step_dir, load_rng_file
-from .checkpoint_meta import META, STEP_DIR, read_meta, restore_scheduler
+from .files import check_step_dir, load_rng_file
+from .meta import META, STEP_DIR, read_meta, restore_scheduler
 from .safe_dcp import safe_load
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,25 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
         elif p.is_dir() and os.path.lexists(p / META):  # a bad meta.json is reported, not passed over
             found.append(p)
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def clear_path(path: Path) -> None:
+    """Free ``path`` for a new checkpoint directory without following anything there: a real
+    directory (an older save of the same step) is removed; a symbolic link (dangling or not) or
+    any other file is unlinked itself, never its target, with a warning, since our saves write
+    neither (resume skips such a step directory, and rmtree or os.replace on it failed every
+    restart until someone removed it by hand)."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        kind = "symbolic link" if path.is_symlink() else "file"
+        target = f" to {os.readlink(path)}" if path.is_symlink() else ""
+        log.warning(
+            "%s: replacing a %s%s that occupied a checkpoint's name (its target is left alone)", path, kind, target
+        )
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def resolve_step_dir(path: str | Path) -> Path:
@@ -84,7 +103,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
     tmp = root / f".tmp_step_{step:08d}"
     if env.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        clear_path(tmp)
         tmp.mkdir()
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -105,8 +124,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
         (tmp / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()
     if env.is_main:
-        if final.exists():
-            shutil.rmtree(final)
+        clear_path(final)
         os.replace(tmp, final)  # the commit point
         if keep_last:
             for old in complete_checkpoints(root)[:-keep_last]:

@@ -56,8 +56,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from backend.errors import CheckpointError
 
 from .bounded_pickle import UnreadablePickleError, UnsafeCheckpointError, bounded_loads, is_flat_tuple
-from .checkpoint_files import (
+from .files import (
     MAX_PLAIN_ENTRY_BYTES,
+    CheckpointFileError,
     load_plain_archive,
     only_torch_safe_globals,
     open_regular,
@@ -324,6 +325,7 @@ class SafeFileSystemReader(FileSystemReader):
     def _slice_file(self, file, sinfo: _StorageInfo) -> io.BytesIO:
         """The entry's bytes, within its file, as a checked ``torch.save`` archive."""
         where = str(Path(self.path) / sinfo.relative_path)
+        self._reading = f"{where} (bytes {sinfo.offset:,}..{sinfo.offset + sinfo.length:,})"
         data = read_slice(file, sinfo.offset, sinfo.length, where)
         scan_archive(data, where)
         return io.BytesIO(data)
@@ -346,8 +348,15 @@ class SafeFileSystemReader(FileSystemReader):
         self._check_lengths(plan)
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
             planner = _SafeBytesPlanner(planner, self)
-        with only_torch_safe_globals():
-            return super().read_data(plan, planner)
+        self._reading = str(self.path)
+        try:
+            with only_torch_safe_globals():
+                return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as e:  # torch's own refusal (a damaged archive, a bad tensor record): name the file
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CheckpointFileError(f"{self._reading}: unreadable: {type(e).__name__}: {reason}") from e
 
 
 def _user_error_inside(exc: CheckpointException) -> CheckpointError | None:

@@ -28,7 +28,7 @@ from backend.model.factory import build_model
 from backend.model.hf.export import export_hf_dir
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
 
-from .checkpoint import load_model_weights
+from .store import load_model_weights
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,41 @@
+"""The vLLM generator (``rl.generator=vllm``) on a CUDA device: the worker's weight stream loaded
+through vLLM's ``load_weights`` gives vLLM the policy's log-probabilities. Skips with its reason
+without CUDA or without the ``vllm`` extra; the CPU path it mirrors (``HFGenerator`` on the same
+stream) is tested in tests/unit/test_rl_generate.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import TINY
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra (pip install .[vllm])"),
+]
+
+
+def test_vllm_generator_samples_with_the_policys_logprobs(world, tmp_path):
+    from backend.rl import PolicyWorker
+    from backend.rl.vllm_generator import VLLMGenerator
+
+    worker = PolicyWorker.from_config(
+        TINY, ["loss.type=policy", "loss.old_logprobs=detach", f"logger.run_dir={tmp_path}"], env=world
+    )
+    try:
+        gen = VLLMGenerator.from_worker(worker, dtype="float32", gpu_memory_utilization=0.2)
+        stats = gen.load_weights(worker.hf_weights())
+        assert stats.tensors == len(worker.weight_metadata())
+        prompt = list(b"def add(a, b):")
+        out = gen.generate(prompt, 4, 1.0, 16, seed=0)
+        assert [len(c.token_ids) for c in out] == [16] * 4
+        rows = [{"input_ids": prompt + c.token_ids} for c in out]
+        for c, lp in zip(out, worker.logprobs(rows)):
+            assert np.max(np.abs(np.asarray(c.logprobs) - lp[len(prompt) :])) <= 1e-3
+    finally:
+        worker.close()
