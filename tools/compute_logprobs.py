@@ -17,7 +17,8 @@ are kept as they are:
 
     python tools/compute_logprobs.py configs/qwen3_4b_grpo.yaml --input rollouts.jsonl \\
         --output rollouts_ref.jsonl --merge-as ref_logprobs --checkpoint checkpoints/ref/step_00001000
-Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
+--temperature T (default: loss.temperature, 1) divides the logits by T first: the log-probabilities
+of the distribution a sampler at temperature T drew from. Weights: --checkpoint when given; else model.hf_checkpoint's (a Hugging Face model) when set;
 else the newest complete checkpoint in the config's checkpoint directory. Checkpoints load with
 the pickle-free loader (backend.checkpoint.safe_dcp), their parameter names and shapes checked against
 the configured model first. A user error (a bad config key, data line or checkpoint) prints one
@@ -43,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="a step_* checkpoint directory (default: the newest complete one)")
     p.add_argument(
         "--merge-as",
-        choices=("old_logprobs", "ref_logprobs"),
+        choices=("old_logprobs", "ref_logprobs", "rollout_logprobs"),
         help="write the input rows with this field added instead of index/logprobs lines",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="divide the logits by this before the log-softmax (the sampler's temperature; default loss.temperature)",
     )
     args = p.parse_args(argv)
 
@@ -67,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [json.loads(line) for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
         if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
             raise UserError("set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)")
+        temperature = cfg.loss.temperature if args.temperature is None else args.temperature
+        if not temperature > 0:
+            raise UserError(f"--temperature {temperature}: must be > 0")
 
         from backend.checkpoint.store import complete_checkpoints, load_model_weights
         from backend.distributed.setup import init_distributed, shutdown_distributed
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             elif env.is_main:
                 print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
             planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
-            logprobs = compute_logprobs(model, samples, env, planner)
+            logprobs = compute_logprobs(model, samples, env, planner, temperature=temperature)
             if env.is_main:
                 with open(args.output, "w", encoding="utf-8") as f:
                     for i, lp in enumerate(logprobs):

@@ -25,8 +25,11 @@ def rl_rows(
     nan_masked: bool = True,
     vocab: int = 256,
     padded_vocab: int = 384,
+    rollout: bool = False,
 ) -> list[dict]:
-    """``count`` rows of uneven lengths; masked (prompt) entries are null when ``nan_masked``."""
+    """``count`` rows of uneven lengths; masked (prompt) entries are null when ``nan_masked``;
+    with ``rollout`` also the sampler's ``rollout_logprobs`` (the old ones plus noise of 0.3, so
+    the corrections clamp and mask some tokens)."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(count):
@@ -39,16 +42,18 @@ def rl_rows(
         if nan_masked:
             old = [None if m == 0 else v for v, m in zip(old, mask)]
             ref = [None if m == 0 else v for v, m in zip(ref, mask)]
-        rows.append(
-            {
-                "id": f"rollout-{i}",
-                "input_ids": rng.integers(0, vocab, n).tolist(),
-                "loss_mask": mask,
-                "advantages": float(rng.normal()),
-                "old_logprobs": old,
-                "ref_logprobs": ref,
-            }
-        )
+        row = {
+            "id": f"rollout-{i}",
+            "input_ids": rng.integers(0, vocab, n).tolist(),
+            "loss_mask": mask,
+            "advantages": float(rng.normal()),
+            "old_logprobs": old,
+            "ref_logprobs": ref,
+        }
+        if rollout:
+            shift = rng.normal(0, 0.3, n)
+            row["rollout_logprobs"] = [None if v is None else v + float(e) for v, e in zip(old, shift)]
+        rows.append(row)
     return rows
 
 

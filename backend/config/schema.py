@@ -309,7 +309,8 @@ class LoggerConfig:
 LOSS_TYPES = ("cross_entropy", "policy")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_NORMALIZATIONS = ("token", "sequence")
-OLD_LOGPROB_SOURCES = ("data", "recompute", "detach")
+OLD_LOGPROB_SOURCES = ("data", "recompute", "detach", "rollout")
+ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "seq_tis", "seq_mask_tis")
 
 
 @dataclass
@@ -341,7 +342,8 @@ class LossConfig:
     # sequence's mean over its loss tokens, then the mean over the window's sequences that have any.
     normalization: str = "token"
     # data: rows carry old_logprobs; recompute: a forward-only pass with the current weights before
-    # the first update of each rollout batch; detach: on-policy, r = exp(lp - lp.detach()) = 1.
+    # the first update of each rollout batch; detach: on-policy, r = exp(lp - lp.detach()) = 1;
+    # rollout: the sampler's own rollout_logprobs serve as the old ones.
     old_logprobs: str = "data"
     # A Hugging Face directory or one of our checkpoints (a step_* directory or a checkpoint
     # directory, newest complete one): a frozen FSDP2 reference model run forward-only under the
@@ -350,6 +352,21 @@ class LossConfig:
     # Optimizer steps (windows) per rollout batch: recompute computes the old log-probabilities of
     # all of them once, before the first; checkpoint.interval must then be a multiple of it.
     minibatches_per_rollout: int = 1
+    # The sampling temperature: the logits are divided by it before every log-probability and
+    # entropy the trainer computes (loss, recomputed old, reference, forward-only), > 0.
+    temperature: float = 1.0
+    # Importance correction for the sampler/trainer mismatch (rows carry rollout_logprobs), a
+    # detached weight on the policy-gradient term, with d = old - rollout per loss token:
+    # tis: clamp(exp(d), floor, cap); icepop: exp(d) inside [floor, cap], else 0; seq_tis:
+    # min(exp(sum of d over the sequence), cap) for each of its tokens; seq_mask_tis: exp(d) where
+    # the sequence's exp(mean d) is inside [floor, cap], else 0 (backend/loss/rollout.py).
+    rollout_correction: str = "none"
+    # The correction's upper bound (verl's rollout_is_threshold, 2.0 by default there).
+    rollout_correction_cap: float = 2.0
+    # Its lower bound where the method has one (tis, icepop, seq_mask_tis); 0 = none.
+    rollout_correction_floor: float = 0.0
+    # Clamp each token's KL value to +-kl_clamp (0 = off; 10 is verl's low_var_kl clamp).
+    kl_clamp: float = 0.0
 
 
 RL_ADVANTAGES = ("grpo",)

@@ -21,6 +21,7 @@ from .schema import (
     RECOMPUTE_GRANULARITIES,
     RL_ADVANTAGES,
     RL_GENERATORS,
+    ROLLOUT_CORRECTIONS,
     ROPE_TYPES,
     SCHEDULE_TYPES,
     WANDB_MODES,
@@ -44,6 +45,7 @@ _CHOICES = {
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.normalization": LOSS_NORMALIZATIONS,
     "loss.old_logprobs": OLD_LOGPROB_SOURCES,
+    "loss.rollout_correction": ROLLOUT_CORRECTIONS,
     "rl.advantage": RL_ADVANTAGES,
     "rl.generator": RL_GENERATORS,
 }
@@ -182,7 +184,16 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
     """loss.*: clip ranges, the dual clip, and what the policy loss needs from data and checkpoints
     (``from_memory``: rows are handed over by an RL loop, so data.path is not read)."""
     loss, errors = cfg.loss, []
-    for key in ("loss.ratio_clip_low", "loss.ratio_clip_high", "loss.dual_clip", "loss.logratio_clamp"):
+    for key in (
+        "loss.ratio_clip_low",
+        "loss.ratio_clip_high",
+        "loss.dual_clip",
+        "loss.logratio_clamp",
+        "loss.temperature",
+        "loss.rollout_correction_cap",
+        "loss.rollout_correction_floor",
+        "loss.kl_clamp",
+    ):
         if not math.isfinite(get(cfg, key)):
             errors.append(f"{key}={get(cfg, key)}: must be a finite number")
     if errors:
@@ -193,10 +204,31 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
         errors.append(f"loss.dual_clip={loss.dual_clip}: must be 0 (off) or > 1")
     if loss.logratio_clamp <= 0:
         errors.append(f"loss.logratio_clamp={loss.logratio_clamp}: must be > 0")
+    if loss.temperature <= 0:
+        errors.append(f"loss.temperature={loss.temperature}: must be > 0 (the sampler's temperature)")
+    if loss.kl_clamp < 0:
+        errors.append(f"loss.kl_clamp={loss.kl_clamp}: must be >= 0 (0 = off; verl's low_var_kl clamps at 10)")
+    if loss.rollout_correction_cap <= 0 or not 0 <= loss.rollout_correction_floor < loss.rollout_correction_cap:
+        errors.append(
+            f"loss.rollout_correction_floor={loss.rollout_correction_floor}, loss.rollout_correction_cap="
+            f"{loss.rollout_correction_cap}: need 0 <= floor < cap"
+        )
+    if loss.rollout_correction != "none" and loss.old_logprobs == "rollout":
+        errors.append(
+            f"loss.rollout_correction={loss.rollout_correction}: corrects old log-probabilities against the "
+            f"sampler's, which loss.old_logprobs=rollout makes the same (every weight 1); use recompute or data"
+        )
     if loss.type == "cross_entropy":
         changed = [
             f"loss.{name}"
-            for name in ("kl_coef", "entropy_coef", "reference_checkpoint")
+            for name in (
+                "kl_coef",
+                "entropy_coef",
+                "reference_checkpoint",
+                "temperature",
+                "rollout_correction",
+                "kl_clamp",
+            )
             if getattr(loss, name) != getattr(type(loss)(), name)
         ]
         if loss.minibatches_per_rollout != 1:

@@ -46,6 +46,7 @@ class MicrobatchTensors:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
     sequence_targets: torch.Tensor | None = None
     # Packed layout only (None when padded): per-token sequence index [1, s_local], and the
     # cumulative real and per-sequence padded lengths of the whole row [n + 1] (int32).
@@ -143,9 +144,10 @@ def collate(
 
 
 def _extra_arrays(samples: list[Sample], shape) -> dict[str, np.ndarray]:
-    """Zeroed float32 arrays for ``sequence_targets`` and each policy field some sample carries."""
+    """Zeroed float32 arrays for ``sequence_targets`` and each policy field some sample carries;
+    ``rollout_logprobs`` (optional per row: the mismatch measures) is NaN where a sample has none."""
     names = ["sequence_targets", *(f for f in POLICY_FIELDS if any(getattr(s, f) is not None for s in samples))]
-    return {name: np.zeros(shape, dtype=np.float32) for name in names}
+    return {name: np.full(shape, np.nan if name == "rollout_logprobs" else 0.0, dtype=np.float32) for name in names}
 
 
 def _fill_extra(extra: dict[str, np.ndarray], s: Sample, where) -> None:

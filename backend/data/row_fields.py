@@ -1,4 +1,5 @@
-"""Which per-token policy fields (``advantages``, ``old_logprobs``, ``ref_logprobs``) a run reads
+"""Which per-token policy fields (``advantages``, ``old_logprobs``, ``ref_logprobs``,
+``rollout_logprobs``) a run reads
 from its rows, and the checks every value passes before it can reach a loss.
 
 Up to 2026-12 unknown row fields were silently ignored, so an RL row with advantages trained as
@@ -48,7 +49,15 @@ def row_fields(loss_cfg) -> RowFields:
     if loss_cfg.kl_coef > 0 and not loss_cfg.reference_checkpoint:
         needed.append("ref_logprobs")
         why.append("loss.kl_coef>0 without loss.reference_checkpoint")
-    return RowFields(read=tuple(needed), required=tuple(needed), refuse=(), why=", ".join(why))
+    if loss_cfg.old_logprobs == "rollout":
+        needed.append("rollout_logprobs")
+        why.append("loss.old_logprobs=rollout")
+    elif getattr(loss_cfg, "rollout_correction", "none") != "none":
+        needed.append("rollout_logprobs")
+        why.append(f"loss.rollout_correction={loss_cfg.rollout_correction}")
+    # The sampler's log-probabilities are read whenever rows carry them: the mismatch metrics.
+    read = tuple(dict.fromkeys([*needed, "rollout_logprobs"]))
+    return RowFields(read=read, required=tuple(needed), refuse=(), why=", ".join(why))
 
 
 def refusal(name: str, fields: RowFields) -> str:
@@ -123,8 +132,8 @@ def format_ignored(ignored: dict[str, int]) -> str:
 
 
 def with_logprobs(row: dict, logprobs, field: str) -> dict:
-    """``row`` with ``field`` (old_logprobs / ref_logprobs) set from a forward pass's n-1 values
+    """``row`` with ``field`` (old_logprobs / ref_logprobs / rollout_logprobs) set from a forward pass's n-1 values
     (log p of tokens 1..n-1): aligned like loss_mask, entry 0 null (token 0 is never a target)."""
     if field not in POLICY_FIELDS or field == "advantages":
-        raise ValueError(f"--merge-as {field}: expected old_logprobs or ref_logprobs")
+        raise ValueError(f"--merge-as {field}: expected old_logprobs, ref_logprobs or rollout_logprobs")
     return {**row, field: [None, *(float(x) for x in logprobs)]}

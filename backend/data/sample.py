@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 # Per-token float fields of policy-gradient rows (loss.type=policy), aligned like loss_mask.
-POLICY_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+POLICY_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
 @dataclass
@@ -18,7 +18,8 @@ class Sample:
 
     ``loss_mask[t]`` says whether token t is a prediction target (predicted at position t-1);
     ``loss_weight[t]`` scales its loss. Missing means all ones. The policy fields (RL rows:
-    ``advantages``, the sampler's ``old_logprobs``, the reference model's ``ref_logprobs``) follow
+    ``advantages``, the old policy's ``old_logprobs``, the reference model's ``ref_logprobs``, the
+    sampler's own ``rollout_logprobs``) follow
     the same rule: entry t belongs to token t as a target, entry 0 is never used, and values where
     the loss mask is 0 are never read (they may be NaN).
     """
@@ -29,6 +30,7 @@ class Sample:
     advantages: np.ndarray | None = None
     old_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
+    rollout_logprobs: np.ndarray | None = None  # the sampler's own (what it drew the token with)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -24,21 +24,30 @@ import torch
 
 from backend.distributed.collectives import dist_max_tensor, dist_sum
 
+from .rollout import correction_weights, mismatch_terms
+
 # Window metrics summed with the loss's scale (pg_loss, kl, entropy weighted by loss_weight, so
-# objective = pg_loss + kl_coef kl - entropy_coef entropy; clipfrac and approx_kl per loss token).
-SUMMED = ("pg_loss", "kl", "entropy", "clipfrac", "approx_kl")
+# objective = pg_loss + kl_coef kl - entropy_coef entropy; clipfrac, clipfrac_lower and approx_kl
+# per loss token; the sampler mismatch measures per loss token, when rows carry rollout_logprobs).
+MISMATCH = ("token_mult_prob_error", "rollout_logprob_abs_diff", "rollout_kl", "rollout_correction_share")
+SUMMED = ("pg_loss", "kl", "entropy", "clipfrac", "clipfrac_lower", "approx_kl", *MISMATCH)
 
 
-def kl_penalty(lp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: float) -> torch.Tensor:
-    """Schulman's estimators of KL(policy || reference) at the sampled token."""
+def kl_penalty(
+    lp: torch.Tensor, ref: torch.Tensor, estimator: str, clamp: float, out_clamp: float = 0.0
+) -> torch.Tensor:
+    """Schulman's estimators of KL(policy || reference) at the sampled token; ``out_clamp`` > 0
+    clamps the value to +-out_clamp (``loss.kl_clamp``: verl's low_var_kl clamps k3 at 10)."""
     if estimator == "k1":
-        return lp - ref
-    if estimator == "k2":
-        return (lp - ref).square() / 2
-    if estimator == "k3":
+        kl = lp - ref
+    elif estimator == "k2":
+        kl = (lp - ref).square() / 2
+    elif estimator == "k3":
         x = (ref - lp).clamp(-clamp, clamp)
-        return torch.exp(x) - x - 1
-    raise ValueError(f"loss.kl_estimator={estimator!r}: allowed values are k1, k2, k3")
+        kl = torch.exp(x) - x - 1
+    else:
+        raise ValueError(f"loss.kl_estimator={estimator!r}: allowed values are k1, k2, k3")
+    return kl.clamp(-out_clamp, out_clamp) if out_clamp else kl
 
 
 def policy_token_terms(
@@ -51,19 +60,32 @@ def policy_token_terms(
     old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     cfg,
+    rollout_logprobs: torch.Tensor | None = None,
+    sequence_sum=None,
 ) -> dict[str, torch.Tensor]:
     """Per-position terms [rows, s] of the objective (``cfg`` is the ``loss`` config section).
 
     Returns ``objective`` (l_t above, 0 off the loss tokens) and, per position, ``pg``, ``kl``,
     ``entropy`` (each times loss_weight, as in the objective), ``clipped`` (1 where the clipped
-    term is the larger: no gradient flows there), ``approx_kl`` (old - lp), ``ratio`` and ``used``.
-    Missing fields (a placeholder microbatch) count as zero advantage and old = ref = lp.
+    term is the larger: no gradient flows there), ``clipped_lower`` (1 where the dual clip bounds
+    a negative-advantage token: verl's pg_clipfrac_lower), ``approx_kl`` (old - lp), ``ratio`` and
+    ``used``; with ``rollout_logprobs`` (the sampler's) also the mismatch measures and, under
+    ``loss.rollout_correction``, the detached correction weight on pg (``backend/loss/rollout.py``;
+    ``sequence_sum`` sums a per-token value over each token's sequence, for the sequence-level
+    corrections). Missing fields (a placeholder microbatch) count as zero advantage and
+    old = ref = rollout = lp.
     """
     used = loss_mask > 0
     lp_d = lp.detach()
     zeros = torch.zeros_like(lp_d)
     adv = zeros if advantages is None else torch.where(used, advantages.to(lp.dtype), zeros)
-    if cfg.old_logprobs == "detach" or old_logprobs is None:
+    # Rows without the sampler's log-probabilities (NaN in a mixed microbatch) are left out of the
+    # mismatch measures and never corrected.
+    has_rollout = None if rollout_logprobs is None else used & torch.isfinite(rollout_logprobs)
+    rollout = None if rollout_logprobs is None else torch.where(has_rollout, rollout_logprobs.to(lp.dtype), lp_d)
+    if cfg.old_logprobs == "rollout" and rollout is not None:
+        old = rollout
+    elif cfg.old_logprobs in ("detach", "rollout") or old_logprobs is None:
         old = lp_d
     else:
         old = torch.where(used, old_logprobs.to(lp.dtype), lp_d)
@@ -72,14 +94,34 @@ def policy_token_terms(
     clipped_term = -adv * ratio.clamp(1 - cfg.ratio_clip_low, 1 + cfg.ratio_clip_high)
     pg = torch.maximum(unclipped, clipped_term)
     clipped = (clipped_term > unclipped) & used
+    clipped_lower = torch.zeros_like(used)
     if cfg.dual_clip:
-        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+        bound = -cfg.dual_clip * adv
+        clipped_lower = (adv < 0) & (pg > bound) & used
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+    terms: dict[str, torch.Tensor] = {}
+    method = getattr(cfg, "rollout_correction", "none")
+    if rollout is not None:
+        terms.update(mismatch_terms(lp_d, rollout, has_rollout), rollout_used=has_rollout)
+        if method != "none":
+            w, changed = correction_weights(
+                old.detach() - rollout,
+                has_rollout,
+                method=method,
+                cap=cfg.rollout_correction_cap,
+                floor=cfg.rollout_correction_floor,
+                sequence_sum=sequence_sum,
+            )
+            pg = pg * w
+            terms["rollout_correction_share"] = changed.to(lp.dtype)
+        else:
+            terms["rollout_correction_share"] = zeros
     weight = torch.where(used, loss_weight.to(lp.dtype), zeros)
-    terms = {"pg": weight * pg}
+    terms["pg"] = weight * pg
     objective = terms["pg"]
     if ref_logprobs is not None:
         ref = torch.where(used, ref_logprobs.to(lp.dtype), lp_d)
-        terms["kl"] = weight * kl_penalty(lp, ref, cfg.kl_estimator, cfg.logratio_clamp)
+        terms["kl"] = weight * kl_penalty(lp, ref, cfg.kl_estimator, cfg.logratio_clamp, getattr(cfg, "kl_clamp", 0.0))
         if cfg.kl_coef:
             objective = objective + cfg.kl_coef * terms["kl"]
     if entropy is not None:
@@ -89,6 +131,7 @@ def policy_token_terms(
     terms.update(
         objective=objective,
         clipped=clipped.to(lp.dtype),
+        clipped_lower=clipped_lower.to(lp.dtype),
         approx_kl=torch.where(used, old - lp_d, zeros),
         ratio=ratio.detach(),
         used=used,
@@ -119,39 +162,55 @@ def token_scale(
 
 class WindowStats:
     """The window's metrics accumulated microbatch by microbatch (local sums, min, max), then
-    reduced over every rank: sums by sum, ratio_min / ratio_max by min / max, so none depends on
-    the plan. Empty and placeholder microbatches add exactly zero (their scale is 0)."""
+    reduced over every rank: sums by sum, ratio_min / ratio_max / rollout_logprob_abs_diff_max by
+    min / max, so none depends on the plan. Empty and placeholder microbatches add exactly zero
+    (their scale is 0). The mismatch measures are reported when any rank's rows carried
+    ``rollout_logprobs``."""
 
     def __init__(self, device):
-        self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("objective", *SUMMED)}
+        keys = ("objective", *SUMMED, "rollout_tokens")
+        self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}
         self.low = torch.full((), float("inf"), dtype=torch.float64, device=device)
         self.high = torch.full((), float("-inf"), dtype=torch.float64, device=device)
+        self.gap = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, terms: dict[str, torch.Tensor], scale: torch.Tensor) -> None:
         with torch.no_grad():
             s = scale.double()
             self.sums["objective"] += (terms["objective"].detach().double() * s).sum()
             self.sums["pg_loss"] += (terms["pg"].detach().double() * s).sum()
-            for key in ("kl", "entropy"):
+            for key in ("kl", "entropy", *MISMATCH):
                 if key in terms:
                     self.sums[key] += (terms[key].detach().double() * s).sum()
             self.sums["clipfrac"] += (terms["clipped"].double() * s).sum()
+            self.sums["clipfrac_lower"] += (terms["clipped_lower"].double() * s).sum()
             self.sums["approx_kl"] += (terms["approx_kl"].double() * s).sum()
             # where, not indexing or a branch: no device-to-host sync per microbatch
             used, ratio = terms["used"], terms["ratio"].double()
             inf = torch.full_like(ratio, float("inf"))
             self.low = torch.minimum(self.low, torch.where(used, ratio, inf).min())
             self.high = torch.maximum(self.high, torch.where(used, ratio, -inf).max())
+            if "rollout_used" in terms:  # the mismatch measures' own denominator: tokens with rollout_logprobs
+                self.sums["rollout_tokens"] += (terms["rollout_used"].double() * s).sum()
+                self.gap = torch.maximum(self.gap, terms["rollout_logprob_abs_diff"].double().max())
 
     def reduce(self, *, kl: bool, entropy: bool) -> dict[str, float]:
         """Every rank's totals: ``loss`` (the objective) and the metrics (kl / entropy when measured)."""
         keys = list(self.sums)
         packed = dist_sum(torch.stack([self.sums[k] for k in keys]))
-        extremes = dist_max_tensor(torch.stack([-self.low, self.high]))
+        extremes = dist_max_tensor(torch.stack([-self.low, self.high, self.gap]))
         out = {("loss" if k == "objective" else k): float(v) for k, v in zip(keys, packed.tolist())}
         if not kl:
             out.pop("kl")
         if not entropy:
             out.pop("entropy")
         out["ratio_min"], out["ratio_max"] = float(-extremes[0]), float(extremes[1])
+        share = out.pop("rollout_tokens")  # 1 (to rounding) when every loss token has the sampler's log-probability
+        if share > 0:
+            for key in MISMATCH:
+                out[key] /= share
+            out["rollout_logprob_abs_diff_max"] = float(extremes[2])
+        else:
+            for key in MISMATCH:
+                out.pop(key)
         return out

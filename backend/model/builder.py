@@ -231,10 +231,13 @@ def token_logprobs(
     cp_group=None,
     route_rows=None,
     segments: dict | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label), full-vocabulary entropy or None), each [b, s] in FP32, from the logits.
     ``entropy``: "" (not computed), "value" (no gradient: a metric; autograd keeps no softmax
-    for it) or "grad" (differentiable: an entropy bonus in the loss).
+    for it) or "grad" (differentiable: an entropy bonus in the loss). ``temperature``: the logits
+    are divided by it first (``loss.temperature``: the sampler's, as verl, NeMo-RL and OpenRLHF
+    do), so log p and H are those of the distribution the sampler drew from; 1 skips the division.
 
     The policy loss needs both, and the entropy needs every logit, so this path asks the model for
     logits (megatron-core's labels path returns only the cross-entropy). lp = logit[label] -
@@ -243,6 +246,8 @@ def token_logprobs(
     """
     logits = token_logits(model, tokens, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     norm = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - norm
     if not entropy:

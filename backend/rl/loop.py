@@ -9,7 +9,10 @@ Per step (``train.train_iters`` steps):
    ``rl.temperature``; the prompts are split over the ranks and the results gathered, so every
    rank holds the same rollouts (each prompt's sampling seed depends on (seed, step, its place
    in the step) only: the same responses on any number of ranks and after a resume);
-3. reward: ``rl.reward`` on each response; group-normalised advantages (``advantages``);
+3. reward: ``rl.reward`` on each response; group-normalised advantages (``advantages``); each row
+   carries the sampler's own log-probabilities (``rollout_logprobs``), so every step measures the
+   sampler/trainer mismatch and ``loss.old_logprobs=rollout`` or ``loss.rollout_correction`` can
+   use them (``rl.temperature`` must equal ``loss.temperature``);
 4. log-probabilities: with ``loss.old_logprobs=data`` the policy's own, from ``worker.logprobs``
    (``recompute`` and the reference model run inside the worker's step);
 5. train: one optimizer step over exactly these rows (``PolicyWorker.train_step``), whose
@@ -30,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from backend.checkpoint.meta import check_sampler_state
+from backend.config import ConfigError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
 from backend.train.preemption import StopRequest
@@ -66,6 +70,11 @@ class GRPOLoop:
         self.worker, self.generator = worker, generator
         cfg = self.cfg = worker.cfg
         rl = cfg.rl
+        if cfg.loss.type == "policy" and rl.temperature != cfg.loss.temperature:
+            raise ConfigError(
+                f"rl.temperature={rl.temperature} but loss.temperature={cfg.loss.temperature}: the trainer would compute "
+                f"log-probabilities of another distribution than the one the sampler drew from; set both the same"
+            )
         self.prompts: list[Prompt] = read_prompts(
             rl.prompts, worker.tokenizer, cfg.data, max_new_tokens=rl.max_new_tokens
         )
@@ -122,12 +131,14 @@ class GRPOLoop:
         for slot in range(len(ids)):
             prompt = self.prompts[int(ids[slot])]
             n = len(prompt.token_ids)
-            for k, (tokens, _, was_stopped) in enumerate(merged[slot][0]):
+            for k, (tokens, logprobs, was_stopped) in enumerate(merged[slot][0]):
                 rows.append(
                     {
                         "input_ids": prompt.token_ids + list(tokens),
                         "loss_mask": [0] * n + [1] * len(tokens),
                         "advantages": float(advantages[slot, k]),
+                        # what the sampler saw, aligned like loss_mask (the prompt's entries unused)
+                        "rollout_logprobs": [float("nan")] * n + list(logprobs),
                     }
                 )
                 lengths.append(len(tokens))

@@ -36,6 +36,7 @@ from backend.config import ConfigError, load_config, validate
 from backend.data.iterator import planner_from_config, window_data
 from backend.data.memory_rows import rows_dataset
 from backend.data.row_fields import PASS_THROUGH, row_fields
+from backend.data.sample import POLICY_FIELDS
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_distributed, shutdown_distributed
 from backend.train.forward_only import compute_logprobs
@@ -54,7 +55,7 @@ def _rows_digest(dataset) -> str:
     h = hashlib.sha256()
     for i in range(len(dataset)):
         s = dataset[i]
-        for name in ("tokens", "loss_mask", "loss_weight", "advantages", "old_logprobs", "ref_logprobs"):
+        for name in ("tokens", "loss_mask", "loss_weight", *POLICY_FIELDS):
             value = getattr(s, name, None)
             h.update(name.encode())
             if value is not None:
@@ -139,14 +140,15 @@ class PolicyWorker:
     def logprobs(self, rows: Sequence[dict], model: str = "policy") -> list[np.ndarray]:
         """Per-token log-probabilities of each row's tokens under ``model`` ("policy" or
         "reference"): float32 arrays as long as the row, aligned like ``old_logprobs`` (entry t is
-        token t as a target; entry 0 NaN), in the caller's order, on every rank. Planned under
-        ``train.forward_max_tokens_per_gpu`` in the configured layout and dp x cp."""
+        token t as a target; entry 0 NaN), in the caller's order, on every rank, at
+        ``loss.temperature``. Planned under ``train.forward_max_tokens_per_gpu`` in the configured
+        layout and dp x cp."""
         cfg, env = self.cfg, self.env
         dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
         check_same_arguments(_rows_digest(dataset), what="logprobs rows")
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
         samples = [dataset[i] for i in range(len(dataset))]
-        values = compute_logprobs(self._model(model), samples, env, planner)
+        values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
 
     def train_step(self, rows: Sequence[dict], extra_metrics: dict | None = None) -> dict:
@@ -169,7 +171,13 @@ class PolicyWorker:
         try:
             check_plan_agreement(data.plan, step=trainer.step)
             recompute = trainer.policy and cfg.loss.old_logprobs == "recompute"
-            fill_window(data, env, policy=trainer.model if recompute else None, reference=trainer.reference)
+            fill_window(
+                data,
+                env,
+                policy=trainer.model if recompute else None,
+                reference=trainer.reference,
+                temperature=cfg.loss.temperature,
+            )
             return trainer.train_window(
                 data, time.perf_counter() - start, source="rows", report=dataset.report, extra=extra_metrics
             )

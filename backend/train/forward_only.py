@@ -23,25 +23,28 @@ from backend.distributed.fsdp import forward_only
 from .step import microbatch_logprobs, placeholder_microbatch
 
 
-def compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
-    """For each sample of n tokens, n-1 values: log p(token t | tokens before t), t = 1..n-1."""
+def compute_logprobs(model, samples: list[Sample], env, planner, *, temperature: float = 1.0) -> list[np.ndarray]:
+    """For each sample of n tokens, n-1 values: log p(token t | tokens before t), t = 1..n-1, of
+    softmax(logits / ``temperature``) (the sampler's distribution at that temperature)."""
     with forward_only(model):
-        return _compute_logprobs(model, samples, env, planner)
+        return _compute_logprobs(model, samples, env, planner, temperature)
 
 
-def _compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
+def _compute_logprobs(model, samples: list[Sample], env, planner, temperature: float) -> list[np.ndarray]:
     plan = planner([len(s.tokens) for s in samples])
     mine: dict[int, np.ndarray] = {}
     for mb in plan.microbatches(env.dp_rank):
         if mb.is_empty:  # keep FSDP's per-forward collectives in step with the other ranks
             batch = placeholder_microbatch(env.cp_size).to(env.device)
-            microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
+            microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature)
             continue
         batch = collate(
             [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
         batch = batch.to(env.device)
-        logp, _ = microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
+        logp, _ = microbatch_logprobs(
+            model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
+        )
         if batch.is_packed:  # one row: sequence i's targets start at its padded offset
             offsets = batch.cu_seqlens_padded.tolist()
             if env.cp_size > 1:
@@ -62,13 +65,15 @@ def _compute_logprobs(model, samples: list[Sample], env, planner) -> list[np.nda
     return [merged[i] for i in range(len(samples))]
 
 
-def fill_logprobs(model, microbatches: list, env, field: str) -> None:
+def fill_logprobs(model, microbatches: list, env, field: str, *, temperature: float = 1.0) -> None:
     """Set ``field`` (``old_logprobs`` or ``ref_logprobs``) of each of this rank's microbatches to
-    ``model``'s log-probabilities of its labels, [rows, s_local] on the model's device. Empty
-    microbatches run a placeholder forward, so FSDP's collectives stay in step across ranks."""
+    ``model``'s log-probabilities of its labels at ``temperature``, [rows, s_local] on the model's
+    device. Empty microbatches run a placeholder forward, so FSDP's collectives stay in step."""
     with forward_only(model):
         for mb in microbatches:
             batch = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
-            logp, _ = microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0)
+            logp, _ = microbatch_logprobs(
+                model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
+            )
             if not mb.is_empty:
                 setattr(mb, field, logp)

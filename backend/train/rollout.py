@@ -48,13 +48,14 @@ def build_reference(cfg, env, *, tokenizer_vocab: int):
     return model
 
 
-def fill_window(data: StepData, env, *, policy=None, reference=None) -> None:
+def fill_window(data: StepData, env, *, policy=None, reference=None, temperature: float = 1.0) -> None:
     """``old_logprobs`` from ``policy`` and ``ref_logprobs`` from ``reference`` (either may be None)
-    filled into the window's own microbatches, under its plan (the file stream and the RL worker)."""
+    filled into the window's own microbatches, under its plan, at the sampling ``temperature``
+    (``loss.temperature``), for the file stream and the RL worker alike."""
     if policy is not None:
-        fill_logprobs(policy, data.microbatches, env, "old_logprobs")
+        fill_logprobs(policy, data.microbatches, env, "old_logprobs", temperature=temperature)
     if reference is not None:
-        fill_logprobs(reference, data.microbatches, env, "ref_logprobs")
+        fill_logprobs(reference, data.microbatches, env, "ref_logprobs", temperature=temperature)
 
 
 class RolloutStream:
@@ -65,9 +66,12 @@ class RolloutStream:
     ``ref_logprobs`` from ``reference`` as configured, and yields them in order. ``last_fill_s``
     is the time the forward-only passes of the last rollout batch took."""
 
-    def __init__(self, iterator, env, *, policy=None, reference=None, windows_per_rollout: int = 1):
+    def __init__(
+        self, iterator, env, *, policy=None, reference=None, windows_per_rollout: int = 1, temperature: float = 1.0
+    ):
         self.iterator, self.env = iterator, env
         self.policy, self.reference = policy, reference
+        self.temperature = temperature
         self.windows = windows_per_rollout if policy is not None else 1
         self.pending: deque[tuple[StepData, dict]] = deque()
         self.state: dict | None = None
@@ -87,7 +91,7 @@ class RolloutStream:
                 batch.append((data, self.iterator.state_dict()))  # a fresh dict per call
             start = time.perf_counter()
             for data, _ in batch:
-                fill_window(data, self.env, policy=self.policy, reference=self.reference)
+                fill_window(data, self.env, policy=self.policy, reference=self.reference, temperature=self.temperature)
             self.last_fill_s = time.perf_counter() - start
             self.pending.extend(batch)
         data, self.state = self.pending.popleft()

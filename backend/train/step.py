@@ -69,14 +69,45 @@ def _segments(mb: MicrobatchTensors) -> dict | None:
 
 
 def microbatch_logprobs(
-    model, mb: MicrobatchTensors, cp_group=None, *, entropy: str = "", route_rows=None
+    model, mb: MicrobatchTensors, cp_group=None, *, entropy: str = "", route_rows=None, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label), entropy or None), each [rows, s_local] FP32, of one microbatch on its device
-    (``entropy``: "" none, "value" measured without gradient, "grad" differentiable)."""
+    (``entropy``: "" none, "value" measured without gradient, "grad" differentiable), of the
+    distribution softmax(logits / ``temperature``)."""
     inputs = (mb.tokens, mb.labels, mb.position_ids, mb.valid)
     return token_logprobs(
-        model, *inputs, entropy=entropy, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb)
+        model,
+        *inputs,
+        entropy=entropy,
+        cp_group=cp_group,
+        route_rows=route_rows,
+        segments=_segments(mb),
+        temperature=temperature,
     )
+
+
+def sequence_sum(mb: MicrobatchTensors, cp_group=None):
+    """A function summing a per-position tensor [rows, s_local] over each position's sequence (a
+    padded row, or a packed segment) across the CP ranks, handed back per position: the
+    sequence-level rollout corrections need a sequence's whole sum wherever its tokens sit."""
+
+    def reduce(sums: torch.Tensor) -> torch.Tensor:
+        return dist_sum(sums, cp_group) if cp_group is not None else sums
+
+    if mb.is_packed:
+        index = mb.segment_ids[0].long()
+        count = len(mb.seq_lengths)
+
+        def packed(x: torch.Tensor) -> torch.Tensor:
+            sums = torch.zeros(count, dtype=x.dtype, device=x.device).index_add_(0, index, x[0])
+            return reduce(sums)[index].unsqueeze(0)
+
+        return packed
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return reduce(x.sum(dim=1)).unsqueeze(1).expand_as(x)
+
+    return padded
 
 
 def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
@@ -153,7 +184,9 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
         mb = mb.to(env.device)
         # The entropy is always measured (a metric); it joins the graph only when it is in the loss.
         entropy = "grad" if loss_cfg.entropy_coef else "value"
-        lp, h = microbatch_logprobs(model, mb, env.cp_group, entropy=entropy, route_rows=mb.sample_ids >= 0)
+        lp, h = microbatch_logprobs(
+            model, mb, env.cp_group, entropy=entropy, route_rows=mb.sample_ids >= 0, temperature=loss_cfg.temperature
+        )
         terms = policy_token_terms(
             lp,
             h,
@@ -163,6 +196,8 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
             old_logprobs=mb.old_logprobs,
             ref_logprobs=mb.ref_logprobs,
             cfg=loss_cfg,
+            rollout_logprobs=mb.rollout_logprobs,
+            sequence_sum=sequence_sum(mb, env.cp_group if env.cp_size > 1 else None),
         )
         scale = token_scale(
             mb.loss_mask,

@@ -141,6 +141,7 @@ class Trainer:
                 policy=self.model if self.policy and loss.old_logprobs == "recompute" else None,
                 reference=reference,
                 windows_per_rollout=loss.minibatches_per_rollout,
+                temperature=loss.temperature,
             )
         if self.valid is not None:
             self.valid_ids = evaluation_ids(self.valid, cfg.train.eval_samples)

@@ -79,6 +79,46 @@ def test_bad_values_name_file_line_and_field(tmp_path, change, needle):
     assert str(err.value).startswith(f"{path}:2: ") and needle in str(err.value)
 
 
+ROLLOUT = row_fields(LossConfig(type="policy", old_logprobs="rollout"))  # advantages + rollout_logprobs
+
+
+def test_rollout_logprobs_are_read_when_present_and_required_when_used(tmp_path):
+    assert "rollout_logprobs" in POLICY.read and "rollout_logprobs" not in POLICY.required  # the mismatch metrics
+    assert ROLLOUT.required == ("advantages", "rollout_logprobs")
+    tis = row_fields(LossConfig(type="policy", old_logprobs="recompute", rollout_correction="tis"))
+    assert tis.required == ("advantages", "rollout_logprobs")
+    (a,) = read(jsonl(tmp_path, [{**ROW, "rollout_logprobs": [None, None, -1.5, -2.5]}]))
+    assert a.rollout_logprobs[2:].tolist() == [-1.5, -2.5] and np.isnan(a.rollout_logprobs[:2]).all()
+    with pytest.raises(
+        DataFormatError, match=r"rows.jsonl:1: no 'rollout_logprobs' field, which .*old_logprobs=rollout"
+    ):
+        read(jsonl(tmp_path, [ROW]), fields=ROLLOUT)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"rollout_logprobs": [None, None, None, -2]}, "'rollout_logprobs' is nan at token 2, a loss token"),
+        ({"rollout_logprobs": [None, None, float("inf"), -2]}, "'rollout_logprobs' is inf at token 2"),
+        ({"rollout_logprobs": [0, -1, -2]}, "'rollout_logprobs' has 3 entries for 4 tokens"),
+    ],
+)
+def test_bad_rollout_logprobs_name_file_line_and_field(tmp_path, change, needle):
+    good = {**ROW, "rollout_logprobs": [None, None, -1.0, -2.0]}
+    path = jsonl(tmp_path, [good, json.dumps({**good, **change}).replace("Infinity", "1e999")])
+    with pytest.raises(DataFormatError) as err:
+        read(path, fields=ROLLOUT)
+    assert str(err.value).startswith(f"{path}:2: ") and needle in str(err.value)
+
+
+def test_rollout_sidecar_round_trip(tmp_path):
+    samples = list(read_jsonl(jsonl(tmp_path, [{**ROW, "rollout_logprobs": [None, None, -1.0, -3.0]}]), TOK))
+    write_indexed(tmp_path / "rl", samples, 256)
+    assert (tmp_path / "rl_rollout_logprobs.bin").is_file()
+    ds = IndexedTokenDataset(tmp_path / "rl", ROLLOUT)
+    assert ds[0].rollout_logprobs[2:].tolist() == [-1.0, -3.0]
+
+
 def test_missing_field_names_the_setting(tmp_path):
     row = {k: v for k, v in ROW.items() if k != "old_logprobs"}
     with pytest.raises(DataFormatError, match=r"rows.jsonl:1: no 'old_logprobs' field, which .*loss.old_logprobs=data"):
@@ -149,6 +189,7 @@ def _samples(lengths, seed=0):
                 loss_mask=mask,
                 advantages=rng.normal(size=n).astype(np.float32),
                 old_logprobs=rng.normal(size=n).astype(np.float32),
+                rollout_logprobs=rng.normal(size=n).astype(np.float32),
             )
         )
     return out
@@ -160,11 +201,13 @@ def test_padded_collation_and_cp_cut_carry_fields_like_loss_weight(cp):
     length = round_up(9, 2 * cp)
     mb = Microbatch((0, 1, 2), length, 3 * length // cp, 17)
     parts = [collate(samples, [0, 1, 2], mb, cp_rank=r, cp_size=cp) for r in range(cp)]
-    whole = {k: cp_unshard([getattr(p, k) for p in parts]) for k in ("advantages", "old_logprobs", "sequence_targets")}
+    names = ("advantages", "old_logprobs", "rollout_logprobs", "sequence_targets")
+    whole = {k: cp_unshard([getattr(p, k) for p in parts]) for k in names}
     for r, s in enumerate(samples):
         n = len(s.tokens)
         assert whole["advantages"][r, : n - 1].tolist() == pytest.approx(s.advantages[1:].tolist())
         assert whole["old_logprobs"][r, : n - 1].tolist() == pytest.approx(s.old_logprobs[1:].tolist())
+        assert whole["rollout_logprobs"][r, : n - 1].tolist() == pytest.approx(s.rollout_logprobs[1:].tolist())
         assert torch.all(whole["sequence_targets"][r, : n - 1] == s.loss_tokens())
     assert parts[0].ref_logprobs is None
 
@@ -178,11 +221,13 @@ def test_packed_collation_and_cp_cut_carry_fields(cp):
     mb = Microbatch((0, 1, 2), row, row // cp, 17, packed=True)
     parts = [collate(samples, [0, 1, 2], mb, cp_rank=r, cp_size=cp) for r in range(cp)]
     adv = packed_cp_unshard([p.advantages for p in parts], segments)[0]
+    rollout = packed_cp_unshard([p.rollout_logprobs for p in parts], segments)[0]
     seq = packed_cp_unshard([p.sequence_targets for p in parts], segments)[0]
     offset = 0
     for s, width in zip(samples, segments):
         n = len(s.tokens)
         assert adv[offset : offset + n - 1].tolist() == pytest.approx(s.advantages[1:].tolist())
+        assert rollout[offset : offset + n - 1].tolist() == pytest.approx(s.rollout_logprobs[1:].tolist())
         assert torch.all(seq[offset : offset + n - 1] == s.loss_tokens())
         offset += width
 

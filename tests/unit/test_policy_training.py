@@ -131,6 +131,29 @@ def test_kl_is_zero_when_the_reference_is_the_policy(world, policy_model):
     assert out["kl"] == 0.0
 
 
+@pytest.mark.parametrize("method", ["tis", "icepop", "seq_tis", "seq_mask_tis"])
+def test_the_samplers_own_numbers_change_nothing(world, policy_model, method):
+    """rollout_logprobs and old_logprobs both the policy's own (at T = 0.7): every correction weight
+    is 1, so objective and gradient are bitwise the uncorrected ones, and every mismatch measure
+    is at its no-mismatch value (differences 0, NeMo-RL's multiplicative error 1)."""
+    import dataclasses
+
+    cfg, dataset, model = policy_model
+    loss = dataclasses.replace(cfg.loss, temperature=0.7, rollout_correction_floor=0.5)
+    corrected = dataclasses.replace(loss, rollout_correction=method)
+    results = []
+    for loss_cfg in (loss, corrected):
+        data = _window(dataset, cfg, world)
+        fill_logprobs(model, data.microbatches, world, "old_logprobs", temperature=0.7)
+        fill_logprobs(model, data.microbatches, world, "rollout_logprobs", temperature=0.7)
+        results.append(_grad_of(model, data, world, loss_cfg))
+    (plain, grad_plain), (out, grad) = results
+    assert out["loss"] == plain["loss"] and torch.equal(grad, grad_plain)
+    assert out["rollout_correction_share"] == 0.0 and out["ratio_min"] == out["ratio_max"] == 1.0
+    assert out["rollout_logprob_abs_diff"] == out["rollout_logprob_abs_diff_max"] == out["rollout_kl"] == 0.0
+    assert out["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-12)
+
+
 def test_nan_where_masked_changes_nothing(world, policy_model, rows, tmp_path):
     cfg, dataset, model = policy_model
     zeros = [json.loads(line) for line in Path(rows).read_text().splitlines()]
