@@ -74,6 +74,7 @@ _POSITIVE = (
     "rl.max_new_tokens",
 )
 _NON_NEGATIVE = (
+    "model.logits_chunk_tokens",
     "model.ffn_hidden_size",
     "model.vocab_size",
     "model.max_position_embeddings",
@@ -318,8 +319,8 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         errors.append(
             f"train.dynamic_batch_attention_weight={t.dynamic_batch_attention_weight}: must be a finite number"
         )
-    if o.lr <= 0:
-        errors.append(f"optimizer.lr={o.lr}: must be > 0")
+    if not (math.isfinite(o.lr) and o.lr >= 0):  # 0 freezes the weights: a control run (RL: the reward stays flat)
+        errors.append(f"optimizer.lr={o.lr}: must be >= 0")
     if not 0 <= o.min_lr <= o.lr:
         errors.append(f"optimizer.min_lr={o.min_lr}: must be in [0, optimizer.lr={o.lr}]")
     for key in ("optimizer.adam_beta1", "optimizer.adam_beta2"):

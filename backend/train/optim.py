@@ -96,6 +96,7 @@ def build_scheduler(optimizer, opt_cfg, sched_cfg, train_iters: int) -> torch.op
     lr_at(0, **kwargs)  # an unknown type or style fails here, not at the first step
 
     def factor(step: int) -> float:
-        return lr_at(step, **kwargs) / opt_cfg.lr
+        # lr 0 (a frozen control run) has every factor 0: base lr x anything is 0
+        return lr_at(step, **kwargs) / opt_cfg.lr if opt_cfg.lr else 0.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -10,7 +10,6 @@ transformers in FP32 with eager attention.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ import torch
 
 from backend.distributed.launch import torchrun_command
 from tests.conftest import REPO
+from tests.helpers.subprocess_env import subprocess_env
 
 pytestmark = pytest.mark.distributed
 import transformers  # noqa: E402  (a dev dependency: a missing one fails, never skips)
@@ -26,14 +26,8 @@ import transformers  # noqa: E402  (a dev dependency: a missing one fails, never
 HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
 
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 def _env() -> dict:
-    """The subprocess environment, read when the command runs (the test's run directory is set
-    then), without the in-process world's rendezvous (``world`` sets it; a child would reuse its port)."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
 CONVERSATION = [

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from backend.rl.generate import HFGenerator
 from backend.rl.loop import GRPOLoop
 from backend.rl.reward import RewardError, load_reward
 from tests.conftest import REPO
+from tests.helpers.subprocess_env import subprocess_env
 
 DEMO = str(REPO / "configs" / "grpo_demo.yaml")
 SMALL = [
@@ -154,7 +154,7 @@ def _demo(tmp_path: Path, *overrides) -> list[dict]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="2"),
+        env=subprocess_env(OMP_NUM_THREADS="2"),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
