@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.batching.memory_fit import BudgetError
     from backend.config import load_config, validate
+    from backend.data.tokenizers import build_tokenizer
     from backend.distributed.setup import init_distributed, shutdown_distributed
     from backend.errors import UserError
     from backend.model.factory import build_model
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.parallel.context_parallel_size)
         cfg = validate(cfg, env.world_size)
-        built = build_model(cfg, env, tokenizer_vocab=256)
+        tokenizer = build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)  # the run's vocabulary
+        built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size)
         optimizer = build_optimizer(built.model, cfg.optimizer)
         meter = MemoryMeter(env.device, resident_tensors(built.model, optimizer))
         result = probe_memory(built.model, optimizer, cfg, env, backend=built.attention_backend, meter=meter)

@@ -8,7 +8,8 @@ sections compare as dotted keys (``logger.wandb.project``).
 
 Refused (the checkpoint would continue a different run):
 
-- ``model.*`` except ``model.attention_backend`` and ``model.recompute_granularity``: the
+- ``model.*`` except ``model.attention_backend``, ``model.recompute_granularity`` and
+  ``model.logits_chunk_tokens`` (how the output layer is evaluated, not what it is): the
   architecture, vocabulary or initialisation of the checkpointed weights. The attention backend is
   an implementation of the same function (te, flex and sdpa agree to float rounding), so it may
   change, e.g. a CPU run resumed on a GPU; recomputation trades memory for time and changes no value.
@@ -82,6 +83,7 @@ _REFUSED_KEYS = {
 _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
     "model.recompute_granularity": "memory for time; the same activations, the same gradient",
+    "model.logits_chunk_tokens": "memory for time; the same log-probabilities to FP32 rounding",
     "train.train_iters": "the run's length; the LR schedule follows the new horizon from here",
     "train.micro_batch_size": "microbatching only; same windows, same gradient",
     "train.dynamic_batch_enable": "microbatching only; same windows, same gradient",

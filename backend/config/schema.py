@@ -117,6 +117,10 @@ class ModelConfig:
     # materialising kernel keeps: SDPA on CPU); full keeps only each decoder layer's input and
     # recomputes the layer (about one more forward per step). Same gradients; read by the memory probe.
     recompute_granularity: str = "none"
+    # Compute the output layer's log-probabilities (and entropy) this many tokens at a time, never
+    # the whole [tokens, vocab] logits (backend/model/output.py); 0 = all at once. Backward
+    # recomputes each chunk's logits. Padding rows of the vocabulary never enter the softmax.
+    logits_chunk_tokens: int = 0
     # Tie input embedding and output layer weights.
     tie_embeddings: bool = True
     # ---- GPT-OSS-style attention and mixture of experts (all off by default) ----

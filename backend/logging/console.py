@@ -295,6 +295,8 @@ def format_startup_summary(info: dict) -> str:
     if info.get("recompute") not in (None, "none"):
         attention = f"{attention}, recompute {info['recompute']}"
     rows.append(("attention", attention))
+    if info.get("logits_chunk_tokens"):
+        rows.append(("output", f"logits {info['logits_chunk_tokens']:,} tokens at a time (never whole)"))
     lengths = info.get("lengths")
     if lengths is not None and not isinstance(lengths, dict):
         lengths = length_stats(lengths)

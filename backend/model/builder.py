@@ -17,6 +17,7 @@ from backend.config.run_values import ffn_size, padded_vocab  # noqa: F401  (pad
 from backend.megatron_compat import import_megatron_module
 
 from .attention import AttentionContext, core_attention_spec
+from .output import OutputRequest, output_request
 from .rope import Rope
 
 # Fusions and CUDA-only paths off: the same megatron-core modules run on CPU and GPU.
@@ -199,7 +200,16 @@ def _forward(model, tokens, labels, positions, valid, *, cp_group, route_rows, s
 
 
 def token_losses(
-    model, tokens, labels, positions, valid, *, cp_group=None, route_rows=None, segments: dict | None = None
+    model,
+    tokens,
+    labels,
+    positions,
+    valid,
+    *,
+    cp_group=None,
+    route_rows=None,
+    segments: dict | None = None,
+    grad_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-position cross-entropy [b, s] (FP32), computed by megatron-core from the labels.
 
@@ -210,6 +220,21 @@ def token_losses(
     for the attention context, so attention stays within each packed sequence, and the router
     statistics are per packed sequence (a sample), as they are per row when padded.
     """
+    if getattr(model, "_logits_chunk_tokens", 0) or getattr(model, "_vocab_limit", None):
+        # chunked logits, or a padded vocabulary kept out of the softmax: through log p (the same
+        # number as megatron-core's cross-entropy to FP32 rounding)
+        lp, _ = token_logprobs(
+            model,
+            tokens,
+            labels,
+            positions,
+            valid,
+            cp_group=cp_group,
+            route_rows=route_rows,
+            segments=segments,
+            grad_hint=None if grad_hint is None else -grad_hint,  # the losses are -log p
+        )
+        return -lp
     return _forward(
         model, tokens, labels, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
     ).float()
@@ -232,6 +257,7 @@ def token_logprobs(
     route_rows=None,
     segments: dict | None = None,
     temperature: float = 1.0,
+    grad_hint: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label), full-vocabulary entropy or None), each [b, s] in FP32, from the logits.
     ``entropy``: "" (not computed), "value" (no gradient: a metric; autograd keeps no softmax
@@ -242,10 +268,23 @@ def token_logprobs(
     The policy loss needs both, and the entropy needs every logit, so this path asks the model for
     logits (megatron-core's labels path returns only the cross-entropy). lp = logit[label] -
     logsumexp(logits) is the same number as -cross-entropy to FP32 rounding; H = logsumexp -
-    sum(softmax * logits). Memory: one FP32 copy of the logits (and its softmax when H is wanted).
+    sum(softmax * logits). Memory: one FP32 copy of the logits (and its softmax when H is wanted),
+    unless the model was built with ``model.logits_chunk_tokens`` (``backend.model.output``: a
+    chunk's logits at a time). ``model._vocab_limit`` (the tokenizer's vocabulary when we padded
+    the embedding) keeps padding rows out of the softmax and the entropy on either path.
     """
+    chunk, limit = getattr(model, "_logits_chunk_tokens", 0), getattr(model, "_vocab_limit", None)
+    if chunk:
+        request = OutputRequest(labels, chunk, temperature, entropy, limit, grad_hint)
+        with output_request(model, request):
+            out = _forward(
+                model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
+            )
+        return out[..., 0], (out[..., 1] if entropy else None)
     logits = token_logits(model, tokens, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
     logits = logits.float()
+    if limit:
+        logits = logits[..., :limit]
     if temperature != 1.0:
         logits = logits / temperature
     norm = torch.logsumexp(logits, dim=-1)

@@ -26,6 +26,7 @@ from backend.distributed.fsdp import wrap_fsdp
 from .attention import resolve_backend
 from .builder import build_gpt, model_fields, padded_vocab
 from .hf.load import load_hf_weights
+from .output import install_chunked_output
 from .recompute import apply_recompute
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,20 @@ def _check_no_buffers(model: torch.nn.Module) -> None:
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         raise RuntimeError(f"meta-device build has buffers that loading would leave uninitialised: {buffers[:5]}")
+
+
+def _configure_output(model, cfg, *, tokenizer_vocab: int, vocab: int) -> None:
+    """How the output layer is evaluated: ``model.logits_chunk_tokens`` (chunked, ``output.py``)
+    and the vocabulary limit. Rows we added to round the tokenizer's vocabulary up to a multiple of
+    128 (257 -> 384 with the byte tokenizer's end of document) are ids no tokenizer produces: they
+    stay out of the softmax and the entropy. An imported model keeps every row, as transformers
+    does, and so does a vocabulary the user sized (``model.vocab_size`` other than that rounding)."""
+    chunk = cfg.model.logits_chunk_tokens
+    if chunk:
+        install_chunked_output(model)
+    model._logits_chunk_tokens = chunk
+    padded = not cfg.model.hf_checkpoint and tokenizer_vocab < vocab == -(-tokenizer_vocab // 128) * 128
+    model._vocab_limit = tokenizer_vocab if padded else None
 
 
 def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty: bool = False) -> BuiltModel:
@@ -105,6 +120,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16)
         source = f"initialised from train.seed={cfg.train.seed}"
+    _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)
     if env.is_main:
         log.info(
             "model: %s parameters (%.3gB), %s layers, hidden %d, vocab %d, %s-style; %s; %s, %s",
@@ -118,4 +134,14 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             "bf16" if bf16 else "fp32",
             backend if m.recompute_granularity == "none" else f"{backend}, recompute {m.recompute_granularity}",
         )
+        if m.logits_chunk_tokens or model._vocab_limit:
+            log.info(
+                "output layer: %s%s",
+                f"log-probabilities {m.logits_chunk_tokens} tokens at a time (model.logits_chunk_tokens)"
+                if m.logits_chunk_tokens
+                else "whole logits",
+                f"; softmax over the tokenizer's {model._vocab_limit} ids of {vocab} rows"
+                if model._vocab_limit
+                else "",
+            )
     return BuiltModel(model, backend, num_parameters, vocab, bf16, fields)

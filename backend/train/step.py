@@ -110,16 +110,23 @@ def sequence_sum(mb: MicrobatchTensors, cp_group=None):
     return padded
 
 
-def microbatch_token_losses(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
-    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device."""
+def microbatch_token_losses(
+    model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None, grad_hint=None
+) -> torch.Tensor:
+    """Per-position cross-entropy [rows, s_local] (FP32) of one microbatch already on its device
+    (``grad_hint``: the gradient the losses will receive, for the chunked output layer)."""
     inputs = (mb.tokens, mb.labels, mb.position_ids, mb.valid)
-    return token_losses(model, *inputs, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb))
+    return token_losses(
+        model, *inputs, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb), grad_hint=grad_hint
+    )
 
 
-def microbatch_loss_sum(model, mb: MicrobatchTensors, env) -> torch.Tensor:
-    """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch."""
+def microbatch_loss_sum(model, mb: MicrobatchTensors, env, *, normaliser: int = 1) -> torch.Tensor:
+    """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch; the caller divides
+    it by ``normaliser`` before backward (so each loss's gradient is loss_weight / normaliser)."""
     mb = mb.to(env.device)
-    losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+    hint = mb.loss_weight / normaliser if torch.is_grad_enabled() else None
+    losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0, grad_hint=hint)
     return weighted_token_sum(losses, mb.loss_weight)
 
 
@@ -147,7 +154,7 @@ def forward_backward(
 
     def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
         nonlocal local_sum
-        loss_sum = microbatch_loss_sum(model, mb, env)
+        loss_sum = microbatch_loss_sum(model, mb, env, normaliser=normaliser)
         local_sum += loss_sum.detach().double()
         return loss_sum / normaliser
 

@@ -294,6 +294,7 @@ class Trainer:
             "precision": cfg.train.precision,
             "attention_backend": self.backend,
             "recompute": cfg.model.recompute_granularity,
+            "logits_chunk_tokens": cfg.model.logits_chunk_tokens,
             "data_source": source,
             "lengths": lengths,
             "max_seq_length": cfg.data.max_seq_length,

@@ -1,0 +1,238 @@
+"""The output layer without whole logits: per-token log-probabilities and entropy, chunk by chunk.
+
+A microbatch of N tokens with a V-token vocabulary holds N x V logits: on Qwen3's 151,936 ids that
+is 608 KB a token in FP32, before the softmax an entropy needs and the logits' gradient (about
+1.5 MB a token on Qwen3-4B, against about 0.2 MB of activations a token with full recomputation).
+With ``model.logits_chunk_tokens = C`` the last hidden states go to ``ChunkedLogprobs`` instead:
+it runs the output projection, the temperature, log-softmax, the label gather and the entropy over
+C tokens at a time and keeps only the per-token results; backward recomputes each chunk's logits
+and accumulates the gradients of the hidden states and of the output weight (Liger-Kernel's fused
+linear cross-entropy and Apple's Cut Cross-Entropy do the same on GPUs; here in plain torch, so it
+runs on CPU and any accelerator). Peak extra memory: a few C x V FP32 buffers instead of N x V.
+
+The chunked path is installed on megatron-core's ``output_layer`` (parameter names unchanged, so
+checkpoints, Hugging Face import / export and resume are unaffected) and taken only when a call
+asks for it (``output_request``): the model then returns [b, s, 2] = (log p(label), entropy) in
+place of the logits. ``vocab_limit`` (the tokenizer's vocabulary, when we padded the embedding to
+a multiple of 128) keeps padding rows out of the softmax and the entropy; they get no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OutputRequest:
+    """What the next forward's output layer computes in place of the logits."""
+
+    labels: torch.Tensor  # [b, s] int64 targets
+    chunk_tokens: int  # tokens per chunk (> 0)
+    temperature: float = 1.0
+    entropy: str = ""  # "" none, "value" (no gradient), "grad" (differentiable)
+    vocab_limit: int | None = None  # softmax over the first vocab_limit rows only
+    grad_hint: torch.Tensor | None = None  # [b, s]: the gradient log p will receive, when known (cross-entropy)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a chunk's softmax runs in: FP32 for BF16 / FP16 compute (as the unchunked path's
+    ``logits.float()``), the inputs' own otherwise."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = (h @ weight.t()).to(_wide(h.dtype))  # as the unchunked path: logits in the compute dtype, then FP32
+    return z / temperature if temperature != 1.0 else z
+
+
+def _logp_chunk(h, w, lse, temperature):
+    """log p [c, V] of a chunk from its saved logsumexp: one fused op in FP32 / FP64."""
+    if _wide(h.dtype) == h.dtype:
+        return torch.addmm(-lse[:, None], h, w.t(), alpha=1.0 / temperature)
+    return _chunk_logits(h, w, temperature).sub_(lse[:, None])
+
+
+def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w):
+    """Add one chunk's gradients to ``grad_h`` (its rows) and ``grad_w``, consuming ``logp``.
+
+    With g = dL/dlog p(y) and z = h W^T / T: dL/dz = g (onehot(y) - p) - g_H p (log p + H), so
+    dL/dh = (g (W[y] - p W) + E W) / T and dL/dW = (onehot - p)^T (g h) / T + E^T h / T with
+    E = -g_H p (log p + H) (only with an entropy gradient): the [chunk, V] buffers are the
+    probabilities (and E); every scaling happens on [chunk, H] or [V, H]."""
+    wide = grad_w.dtype if grad_w is not None else _wide(h.dtype)
+    g = g[:, None] / temperature
+    extra = None
+    if g_ent is not None:
+        p = logp.exp()
+        logp += entropy[:, None]
+        logp *= p
+        logp *= -g_ent[:, None] / temperature
+        extra = logp.to(h.dtype)
+    else:
+        p = logp.exp_()
+    del logp
+    pc = p.to(h.dtype)
+    gh = g.to(h.dtype) * h
+    if grad_h is not None:
+        grad_h += g.to(h.dtype) * (w[y] - pc @ w)
+        if extra is not None:
+            grad_h += extra @ w
+    if grad_w is not None:
+        grad_w.addmm_(pc.t().to(wide), gh.to(wide), alpha=-1.0)
+        grad_w.index_add_(0, y, gh.to(wide))
+        if extra is not None:
+            grad_w.addmm_(extra.t().to(wide), h.to(wide))
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """(log p(label), entropy) per token from hidden states [N, H] and the output weight [V, H],
+    never holding more than one chunk's logits; see the module docstring. Forward keeps each
+    token's logsumexp (and entropy), so backward recomputes a chunk's logits with one matmul and
+    turns them into the logits' gradient in place: at most two [chunk, V] FP32 buffers.
+
+    ``grad_hint`` (the gradient the caller will send to log p, when it is known before the
+    forward: the cross-entropy objective's -loss_weight / N) lets forward compute the gradients
+    of the hidden states and of the weight while each chunk's probabilities are at hand, as fused
+    linear cross-entropy does: three matmuls over the vocabulary, as the unchunked path makes,
+    instead of four. Backward then scales them by c when the gradient that arrives is c x the
+    hint, and recomputes otherwise (never a wrong gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, temperature, vocab_limit, want_entropy, grad_hint):
+        w = weight[:vocab_limit] if vocab_limit else weight
+        n = hidden.shape[0]
+        wide = _wide(hidden.dtype)
+        lp = torch.empty(n, dtype=wide, device=hidden.device)
+        lse = torch.empty(n, dtype=wide, device=hidden.device)
+        ent = torch.empty(n, dtype=wide, device=hidden.device) if want_entropy else None
+        fused = grad_hint is not None and not want_entropy and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        grad_h = torch.zeros_like(hidden) if fused and ctx.needs_input_grad[0] else None
+        grad_w = (
+            torch.zeros(w.shape, dtype=_wide(weight.dtype), device=w.device)
+            if fused and ctx.needs_input_grad[1]
+            else None
+        )
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            y = labels[s:e, None]
+            z = _chunk_logits(hidden[s:e], w, temperature)
+            logp = torch.log_softmax(z, dim=-1)  # one fused pass (faster on CPU than logsumexp)
+            lp[s:e] = logp.gather(1, y)[:, 0]
+            lse[s:e] = z.gather(1, y)[:, 0] - lp[s:e]
+            del z
+            if want_entropy:  # H = -sum p log p, a row-wise dot product: no third buffer
+                ent[s:e] = -torch.linalg.vecdot(logp.exp(), logp)
+            if fused:
+                rows = grad_h[s:e] if grad_h is not None else None
+                _chunk_grads(hidden[s:e], w, labels[s:e], logp, grad_hint[s:e], None, None, temperature, rows, grad_w)
+            del logp
+        ctx.fused = (grad_hint, grad_h, grad_w) if fused else None
+        ctx.save_for_backward(hidden, weight, labels, lse, ent if want_entropy else lse)
+        ctx.chunk, ctx.temperature, ctx.vocab_limit, ctx.want_entropy = chunk, temperature, vocab_limit, want_entropy
+        if ent is None:
+            return lp, torch.zeros(0, device=hidden.device)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        chunk, temperature, limit = ctx.chunk, ctx.temperature, ctx.vocab_limit
+        w = weight[:limit] if limit else weight
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = grad_w = None
+        if ctx.fused is not None:
+            hint, grad_h, grad_w = ctx.fused
+            ctx.fused = None
+            scale = float(
+                torch.dot(grad_lp.double(), hint.double()) / torch.dot(hint.double(), hint.double()).clamp_min(1e-300)
+            )
+            if not torch.allclose(grad_lp, hint * scale, rtol=1e-6, atol=0):
+                grad_h = grad_w = None  # another gradient than the hint's: recompute below
+            else:
+                grad_h = grad_h * scale if grad_h is not None else None
+                grad_w = grad_w * scale if grad_w is not None else None
+        if grad_h is None and grad_w is None:
+            grad_h = torch.zeros_like(hidden) if need_h else None
+            grad_w = torch.zeros(w.shape, dtype=_wide(weight.dtype), device=w.device) if need_w else None
+            with_entropy = ctx.want_entropy and grad_ent is not None and grad_ent.numel() == n
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                h = hidden[s:e]
+                logp = _logp_chunk(h, w, lse[s:e], temperature)
+                _chunk_grads(
+                    h,
+                    w,
+                    labels[s:e],
+                    logp,
+                    grad_lp[s:e],
+                    grad_ent[s:e] if with_entropy else None,
+                    entropy[s:e] if with_entropy else None,
+                    temperature,
+                    grad_h[s:e] if grad_h is not None else None,
+                    grad_w,
+                )
+        if grad_w is not None:
+            if limit:
+                full = torch.zeros(weight.shape, dtype=grad_w.dtype, device=weight.device)
+                full[: w.shape[0]] = grad_w  # padding rows: no gradient
+                grad_w = full
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def chunked_logprobs(hidden, weight, labels, *, chunk, temperature=1.0, vocab_limit=None, entropy="", grad_hint=None):
+    """(log p [N], entropy [N] or None) of ``hidden`` [N, H]; ``entropy`` as ``OutputRequest``;
+    ``grad_hint``: the gradient log p will receive, when known (see ``ChunkedLogprobs``)."""
+    lp, ent = ChunkedLogprobs.apply(hidden, weight, labels, chunk, temperature, vocab_limit, bool(entropy), grad_hint)
+    if not entropy:
+        return lp, None
+    return lp, (ent if entropy == "grad" else ent.detach())
+
+
+def _chunked_forward(self, input_, weight=None, runtime_gather_output=None, **kwargs):
+    """megatron-core's output-layer call; with a pending request, (lp, entropy) in place of logits."""
+    request: OutputRequest | None = getattr(self, "_output_request", None)
+    if request is None:
+        return self._unchunked_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+    w = weight if weight is not None else self.weight
+    s, b, hidden_size = input_.shape
+    labels = request.labels.t().reshape(-1)  # [b, s] -> the hidden states' [s, b] order
+    hint = None if request.grad_hint is None else request.grad_hint.t().reshape(-1).to(torch.float32)
+    lp, ent = chunked_logprobs(
+        input_.reshape(s * b, hidden_size),
+        w,
+        labels,
+        chunk=request.chunk_tokens,
+        temperature=request.temperature,
+        vocab_limit=request.vocab_limit,
+        entropy=request.entropy,
+        grad_hint=hint,
+    )
+    ent = ent if ent is not None else torch.zeros_like(lp)
+    return torch.stack([lp, ent], dim=-1).reshape(s, b, 2), None
+
+
+def install_chunked_output(model: torch.nn.Module) -> None:
+    """Let ``model``'s output layer take requests (``output_request``); names and weights unchanged."""
+    layer = model.output_layer
+    if getattr(layer, "_unchunked_forward", None) is None:
+        layer._unchunked_forward = layer.forward
+        layer.forward = types.MethodType(_chunked_forward, layer)
+
+
+@contextlib.contextmanager
+def output_request(model: torch.nn.Module, request: OutputRequest):
+    """The next forward of ``model`` returns [b, s, 2] (lp, entropy) computed chunk by chunk."""
+    layer = model.output_layer
+    if getattr(layer, "_unchunked_forward", None) is None:
+        raise RuntimeError("the model's output layer has no chunked path (install_chunked_output)")
+    layer._output_request = request
+    try:
+        yield
+    finally:
+        layer._output_request = None
