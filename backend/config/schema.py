@@ -121,6 +121,9 @@ class ModelConfig:
     # the whole [tokens, vocab] logits (backend/model/output.py); 0 = all at once. Backward
     # recomputes each chunk's logits. Padding rows of the vocabulary never enter the softmax.
     logits_chunk_tokens: int = 0
+    # lm: the language-model output layer; value: a scalar head (hidden -> 1, with a bias) for a
+    # critic trained with loss.type=value (exported as a token-classification model, one label).
+    head: str = "lm"
     # Tie input embedding and output layer weights.
     tie_embeddings: bool = True
     # ---- GPT-OSS-style attention and mixture of experts (all off by default) ----
@@ -310,7 +313,8 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-LOSS_TYPES = ("cross_entropy", "policy")
+LOSS_TYPES = ("cross_entropy", "policy", "value")
+MODEL_HEADS = ("lm", "value")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_NORMALIZATIONS = ("token", "sequence")
 OLD_LOGPROB_SOURCES = ("data", "recompute", "detach", "rollout")
@@ -371,9 +375,12 @@ class LossConfig:
     rollout_correction_floor: float = 0.0
     # Clamp each token's KL value to +-kl_clamp (0 = off; 10 is verl's low_var_kl clamp).
     kl_clamp: float = 0.0
+    # loss.type=value (PPO's critic): values are clipped to old_values +- value_clip in the clipped
+    # term (verl's cliprange_value, 0.5 by default there); 0 = no clipping (rows then need no old_values).
+    value_clip: float = 0.5
 
 
-RL_ADVANTAGES = ("grpo",)
+RL_ADVANTAGES = ("grpo", "gae")
 RL_GENERATORS = ("hf", "vllm")
 
 
@@ -400,10 +407,22 @@ class RLConfig:
     # Token ids that end a response (empty: model.hf_checkpoint's eos_token_id, else the tokenizer's
     # end of document with data.append_eod, else none: responses run to max_new_tokens).
     stop_token_ids: list[int] = field(default_factory=list)
-    # grpo: advantage = (reward - group mean) / (group std + 1e-6) (std only with scale_rewards).
+    # grpo: advantage = (reward - group mean) / (group std + 1e-6) (std only with scale_rewards);
+    # gae: PPO with a critic (a ValueWorker beside the policy on the same ranks): each response's
+    # reward on its last token, GAE advantages and returns from the critic's values.
     advantage: str = "grpo"
     # Divide by the group's standard deviation (GRPO); false centres only (Dr. GRPO).
     scale_rewards: bool = True
+    # gae: the discount and GAE's lambda.
+    gamma: float = 1.0
+    lam: float = 0.95
+    # gae: whiten the step's advantages over its response tokens (zero mean, unit variance).
+    whiten_advantages: bool = True
+    # gae: critic optimizer steps per loop step, on the same rollouts.
+    critic_steps_per_step: int = 1
+    # gae: dotted overrides for the critic's config (same file; model.head=value, loss.type=value
+    # and its run directory <logger.run_dir>/critic are set), e.g. ["optimizer.lr=1e-4"].
+    critic_overrides: list[str] = field(default_factory=list)
     # hf: a transformers model in this process; vllm: a vLLM engine in this process (extra "vllm", CUDA).
     generator: str = "hf"
 

@@ -15,6 +15,7 @@ from .schema import (
     KL_ESTIMATORS,
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
+    MODEL_HEADS,
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     PRECISIONS,
@@ -42,6 +43,7 @@ _CHOICES = {
     "scheduler.decay_style": DECAY_STYLES,
     "model.rope_scaling.rope_type": ROPE_TYPES,
     "loss.type": LOSS_TYPES,
+    "model.head": MODEL_HEADS,
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.normalization": LOSS_NORMALIZATIONS,
     "loss.old_logprobs": OLD_LOGPROB_SOURCES,
@@ -72,6 +74,7 @@ _POSITIVE = (
     "rl.prompts_per_step",
     "rl.samples_per_prompt",
     "rl.max_new_tokens",
+    "rl.critic_steps_per_step",
 )
 _NON_NEGATIVE = (
     "model.logits_chunk_tokens",
@@ -96,6 +99,7 @@ _NON_NEGATIVE = (
     "optimizer.clip_grad",
     "loss.kl_coef",
     "loss.entropy_coef",
+    "loss.value_clip",
     "loss.ratio_clip_low",
     "loss.ratio_clip_high",
 )
@@ -219,7 +223,18 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
             f"loss.rollout_correction={loss.rollout_correction}: corrects old log-probabilities against the "
             f"sampler's, which loss.old_logprobs=rollout makes the same (every weight 1); use recompute or data"
         )
-    if loss.type == "cross_entropy":
+    if (loss.type == "value") != (cfg.model.head == "value"):
+        errors.append(
+            f"loss.type={loss.type} with model.head={cfg.model.head}: a critic is model.head=value trained with "
+            f"loss.type=value; a language model keeps model.head=lm"
+        )
+    if cfg.model.head == "value" and (cfg.model.num_moe_experts or cfg.model.attention_sinks):
+        errors.append("model.head=value: a critic is built on the dense families (Qwen3, Llama, Qwen2), not GPT-OSS")
+    if cfg.model.head == "value" and cfg.model.logits_chunk_tokens:
+        errors.append("model.logits_chunk_tokens: a critic's head has one output, no vocabulary to chunk (set 0)")
+    if loss.type != "value" and loss.value_clip != type(loss)().value_clip:
+        errors.append(f"loss.value_clip: only read with loss.type=value (loss.type={loss.type})")
+    if loss.type in ("cross_entropy", "value"):
         changed = [
             f"loss.{name}"
             for name in (
@@ -235,7 +250,7 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
         if loss.minibatches_per_rollout != 1:
             changed.append("loss.minibatches_per_rollout")
         if changed:
-            errors.append(f"{', '.join(changed)}: only read with loss.type=policy (loss.type=cross_entropy)")
+            errors.append(f"{', '.join(changed)}: only read with loss.type=policy (loss.type={loss.type})")
         return errors
     if loss.reference_checkpoint and not loss.kl_coef:
         errors.append(
@@ -309,6 +324,9 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         )
     if not (math.isfinite(cfg.rl.temperature) and cfg.rl.temperature > 0):
         errors.append(f"rl.temperature={cfg.rl.temperature}: must be > 0")
+    for key in ("rl.gamma", "rl.lam"):
+        if not 0 <= get(cfg, key) <= 1:
+            errors.append(f"{key}={get(cfg, key)}: must be in [0, 1]")
     if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
         errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
     if not 0 <= cfg.data.valid_fraction < 1:

@@ -47,6 +47,8 @@ class MicrobatchTensors:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
     sequence_targets: torch.Tensor | None = None
     # Packed layout only (None when padded): per-token sequence index [1, s_local], and the
     # cumulative real and per-sequence padded lengths of the whole row [n + 1] (int32).

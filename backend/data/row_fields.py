@@ -41,6 +41,10 @@ def row_fields(loss_cfg) -> RowFields:
     """The fields a training run with ``loss_cfg`` (the ``loss`` config section) needs."""
     if loss_cfg is None or loss_cfg.type == "cross_entropy":
         return RowFields()
+    if loss_cfg.type == "value":
+        needed = ["returns"] + (["old_values"] if loss_cfg.value_clip else [])
+        why = "loss.type=value" + (", loss.value_clip>0" if loss_cfg.value_clip else "")
+        return RowFields(read=tuple(needed), required=tuple(needed), refuse=(), why=why)
     needed = ["advantages"]
     why = ["loss.type=policy"]
     if loss_cfg.old_logprobs == "data":
@@ -60,9 +64,13 @@ def row_fields(loss_cfg) -> RowFields:
     return RowFields(read=read, required=tuple(needed), refuse=(), why=", ".join(why))
 
 
+VALUE_FIELDS = ("returns", "old_values")
+
+
 def refusal(name: str, fields: RowFields) -> str:
+    kind, loss = ("a value-loss", "value") if name in VALUE_FIELDS else ("a policy-gradient", "policy")
     return (
-        f"'{name}' is a policy-gradient field, but {fields.why} would ignore it: set loss.type=policy "
+        f"'{name}' is {kind} field, but {fields.why} would ignore it: set loss.type={loss} "
         f"(README: RL) or remove the field"
     )
 

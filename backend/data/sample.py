@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 # Per-token float fields of policy-gradient rows (loss.type=policy), aligned like loss_mask.
-POLICY_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+POLICY_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "returns", "old_values")
 
 
 @dataclass
@@ -31,6 +31,8 @@ class Sample:
     old_logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
     rollout_logprobs: np.ndarray | None = None  # the sampler's own (what it drew the token with)
+    returns: np.ndarray | None = None  # a critic's targets (loss.type=value)
+    old_values: np.ndarray | None = None  # the values the rollout recorded (the value clip's centre)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -54,6 +54,8 @@ def format_step_stats(metrics: dict) -> str:
         out.insert(0, f"reward {metrics['reward_mean']:.3f}")
         if metrics.get("response_length_mean") is not None:
             out.append(f"resp {metrics['response_length_mean']:.1f} tok")
+    if metrics.get("vf_loss") is not None and metrics.get("reward_mean") is not None:  # PPO's critic
+        out.append(f"vf {metrics['vf_loss']:.4f} ev {metrics['explained_variance']:.3f}")
     if metrics.get("token_mult_prob_error") is not None:  # sampler vs trainer (1 = the same numbers)
         out.append(f"mismatch {metrics['token_mult_prob_error']:.4f}")
     if metrics.get("clipfrac") is not None:  # the policy loss: how much of the window was clipped

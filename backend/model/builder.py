@@ -75,9 +75,11 @@ def model_fields(model_cfg, *, vocab_size: int, max_seq_length: int) -> dict:
         "norm_epsilon": float(model_cfg.norm_epsilon),
         "qk_layernorm": model_cfg.qk_layernorm,
         "qkv_bias": model_cfg.qkv_bias,
-        "tie_embeddings": model_cfg.tie_embeddings,
+        "tie_embeddings": model_cfg.tie_embeddings and not is_value_head(model_cfg),
         "rope_scaling": model_cfg.rope_scaling.to_hf(),
     }
+    if is_value_head(model_cfg):
+        fields["head"] = "value"  # the HF mapping's score.weight / score.bias, a token-classification export
     if is_gpt_oss(model_cfg):
         fields.update(
             attention_bias=model_cfg.attention_bias,
@@ -176,8 +178,22 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
             max_sequence_length=max_positions,
             # RoPE is applied inside our core attention from global positions (CP-safe, CPU-safe).
             position_embedding_type="none",
-            share_embeddings_and_output_weights=model_cfg.tie_embeddings,
+            share_embeddings_and_output_weights=model_cfg.tie_embeddings and not is_value_head(model_cfg),
         )
+        if is_value_head(model_cfg):
+            # A critic: a scalar head (hidden -> 1, with a bias, as transformers' token
+            # classification ``score``) in place of the vocabulary projection; same name, so the
+            # output path and FSDP2 wrapping are unchanged. Weight ~ N(0, init_method_std), bias 0.
+            tensor_parallel = import_megatron_module("megatron.core.tensor_parallel")
+            model.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                1,
+                config=config,
+                init_method=config.init_method,
+                bias=True,
+                skip_bias_add=False,
+                gather_output=False,
+            )
     finally:
         torch.random.set_rng_state(cpu_state)
     if experts:
@@ -238,6 +254,18 @@ def token_losses(
     return _forward(
         model, tokens, labels, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
     ).float()
+
+
+def is_value_head(model_cfg) -> bool:
+    """``model.head: value``: a critic's scalar head instead of the vocabulary projection."""
+    return getattr(model_cfg, "head", "lm") == "value"
+
+
+def token_values(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:
+    """A critic's value at each position [b, s] (FP32): the head's output on the position's hidden
+    state, so entry i values the state before token i + 1 (aligned like the labels)."""
+    out = _forward(model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
+    return out[..., 0].float()
 
 
 def token_logits(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:

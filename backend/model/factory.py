@@ -25,7 +25,8 @@ from backend.distributed.fsdp import wrap_fsdp
 
 from .attention import resolve_backend
 from .builder import build_gpt, model_fields, padded_vocab
-from .hf.load import load_hf_weights
+from .hf.load import has_value_head, init_value_head, load_hf_weights
+from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
 from .recompute import apply_recompute
 
@@ -74,6 +75,9 @@ def _configure_output(model, cfg, *, tokenizer_vocab: int, vocab: int) -> None:
     stay out of the softmax and the entropy. An imported model keeps every row, as transformers
     does, and so does a vocabulary the user sized (``model.vocab_size`` other than that rounding)."""
     chunk = cfg.model.logits_chunk_tokens
+    if getattr(cfg.model, "head", "lm") == "value":  # a critic's head has one output, no vocabulary
+        model._logits_chunk_tokens, model._vocab_limit = 0, None
+        return
     if chunk:
         install_chunked_output(model)
     model._logits_chunk_tokens = chunk
@@ -109,6 +113,14 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         model.to_empty(device=env.device)
         if empty:
             source = "uninitialised (to be loaded by the caller)"
+        elif fields.get("head") == "value" and not has_value_head(hf_dir):
+            # a critic from a causal LM: its decoder, and a new head (the causal LM's lm_head unused)
+            decoder_only = {**{k: v for k, v in fields.items() if k != "head"}, "tie_embeddings": True}
+            load_hf_weights(model, hf_dir, decoder_only, skip=VALUE_HEAD)
+            init_value_head(model, std=cfg.model.init_method_std, seed=cfg.train.seed)
+            source = (
+                f"weights from {hf_dir}, value head initialised N(0, {cfg.model.init_method_std:g}) from train.seed"
+            )
         else:
             load_hf_weights(model, hf_dir, fields)
             source = f"weights from {hf_dir}"

@@ -2,6 +2,6 @@
 generator fed by the Hugging Face weight stream (``generate``), and the GRPO loop
 (``python -m backend.rl CONFIG``). Nothing below ``backend.rl`` imports it."""
 
-from .worker import PolicyWorker
+from .worker import PolicyWorker, ValueWorker
 
-__all__ = ["PolicyWorker"]
+__all__ = ["PolicyWorker", "ValueWorker"]

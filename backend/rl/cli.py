@@ -34,6 +34,34 @@ def build_generator(worker):
     )
 
 
+# What the critic's config takes from the policy's, changed: a value head and loss, its own run
+# directory, and the policy-only loss keys at their defaults (validation refuses them otherwise).
+CRITIC_KEYS = (
+    "model.head=value",
+    "loss.type=value",
+    "model.logits_chunk_tokens=0",
+    "loss.kl_coef=0",
+    "loss.entropy_coef=0",
+    "loss.reference_checkpoint=''",
+    "loss.temperature=1.0",
+    "loss.rollout_correction=none",
+    "loss.kl_clamp=0",
+    "loss.minibatches_per_rollout=1",
+    "checkpoint.dir=''",
+    "logger.log_interval=1000000000",  # its numbers join the policy's step line and row (vf_loss, ...)
+)
+
+
+def build_critic(config, overrides, worker, env):
+    """PPO's critic beside the policy, on the same ranks: the same config file with ``CRITIC_KEYS``,
+    run directory ``<logger.run_dir>/critic``, then ``rl.critic_overrides``."""
+    from .worker import ValueWorker
+
+    run_dir = f"{worker.cfg.logger.run_dir}/critic"
+    keys = [*overrides, *CRITIC_KEYS, f"logger.run_dir={run_dir}", *worker.cfg.rl.critic_overrides]
+    return ValueWorker.from_config(config, keys, env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.rl", description=__doc__)
     parser.add_argument("config", help="YAML config file (see configs/grpo_demo.yaml)")
@@ -63,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
         try:
             worker = PolicyWorker.from_config(args.config, args.overrides, env=env)
-            loop = GRPOLoop(worker, build_generator(worker))
+            critic = build_critic(args.config, args.overrides, worker, env) if cfg.rl.advantage == "gae" else None
+            loop = GRPOLoop(worker, build_generator(worker), critic)
             wandb_run = start_wandb(worker.cfg, env, run_id=worker.trainer.wandb_run_id)
             worker.trainer.attach_wandb(wandb_run)
             outcome = loop.run()
@@ -71,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             if wandb_run is not None:
                 wandb_run.finish()
             worker.close()
+            if critic is not None:
+                critic.close()
         finally:
             shutdown_distributed()
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0

@@ -38,7 +38,7 @@ from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
 from backend.train.preemption import StopRequest
 
-from .advantages import group_advantages, zero_variance_share
+from .advantages import gae, group_advantages, zero_variance_share
 from .prompts import Prompt, read_prompts
 from .reward import RewardError, load_reward, score
 
@@ -66,10 +66,23 @@ def stop_token_ids(cfg, tokenizer) -> list[int]:
 class GRPOLoop:
     """Drives a ``PolicyWorker`` and a generator (``HFGenerator`` or ``VLLMGenerator``)."""
 
-    def __init__(self, worker, generator):
-        self.worker, self.generator = worker, generator
+    def __init__(self, worker, generator, critic=None):
+        self.worker, self.generator, self.critic = worker, generator, critic
         cfg = self.cfg = worker.cfg
         rl = cfg.rl
+        if (rl.advantage == "gae") != (critic is not None):
+            raise ConfigError(
+                f"rl.advantage={rl.advantage}: "
+                + ("needs a critic (a ValueWorker)" if critic is None else "has no critic")
+            )
+        if critic is not None and critic.step != worker.step * rl.critic_steps_per_step and worker.env.is_main:
+            log.warning(
+                "the critic resumed at step %d, the policy at step %d (rl.critic_steps_per_step=%d): they were "
+                "saved at different loop steps; training goes on from there",
+                critic.step,
+                worker.step,
+                rl.critic_steps_per_step,
+            )
         if cfg.loss.type == "policy" and rl.temperature != cfg.loss.temperature:
             raise ConfigError(
                 f"rl.temperature={rl.temperature} but loss.temperature={cfg.loss.temperature}: the trainer would compute "
@@ -126,6 +139,7 @@ class GRPOLoop:
         for part, _ in parts:
             merged.update(part)
         rewards = np.asarray([merged[slot][1] for slot in range(len(ids))], dtype=np.float64)
+        # GRPO's group-normalised advantages (PPO's GAE replaces them per token in gae_advantages)
         advantages = group_advantages(rewards, scale=rl.scale_rewards)
         rows, lengths, stopped = [], [], []
         for slot in range(len(ids)):
@@ -157,6 +171,7 @@ class GRPOLoop:
             "generated_tokens": generated,
             "generate_s": generate_s,
             "generate_tokens_per_s": generated / max(generate_s, 1e-9),
+            "_rewards": rewards.reshape(-1).tolist(),  # per row, in row order (popped by step)
         }
         return rows, metrics
 
@@ -165,6 +180,12 @@ class GRPOLoop:
         worker = self.worker
         step = worker.step + 1
         rows, metrics = self.rollouts(step)
+        critic_rows = None
+        if self.critic is not None:
+            critic_rows, critic_metrics = self.gae_advantages(rows, metrics.pop("_rewards"))
+            metrics.update(critic_metrics)
+        else:
+            metrics.pop("_rewards")
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
             for row, lp in zip(rows, worker.logprobs(rows)):
@@ -173,14 +194,52 @@ class GRPOLoop:
         if self.last_sync is not None:
             metrics["weight_sync_s"] = self.last_sync.seconds
             metrics["weight_sync_bytes"] = self.last_sync.bytes
+        if critic_rows is not None:
+            start = time.perf_counter()
+            for _ in range(self.cfg.rl.critic_steps_per_step):
+                critic_row = self.critic.train_step(critic_rows)
+            metrics["critic_s"] = time.perf_counter() - start
+            for key in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean", "explained_variance"):
+                metrics[key] = critic_row[key]
         row = worker.train_step(rows, extra_metrics=metrics)
         self.sync_weights()  # reported in the next step's row: the weights that step samples with
         return row
+
+    def gae_advantages(self, rows: list[dict], rewards: list[float]) -> tuple[list[dict], dict]:
+        """PPO with the critic: each response's reward on its last token, the critic's values of
+        the rows (before its update), GAE advantages (whitened over the step's response tokens with
+        ``rl.whiten_advantages``) into the policy rows, returns and old values into the critic's."""
+        rl = self.cfg.rl
+        start = time.perf_counter()
+        values = self.critic.values(rows)
+        per_row = []
+        for row, reward, v in zip(rows, rewards, values):
+            mask = np.asarray(row["loss_mask"], dtype=bool)
+            positions = np.flatnonzero(mask)
+            token_rewards = np.zeros(len(positions))
+            token_rewards[-1] = reward
+            adv, ret = gae(token_rewards, v[positions], np.ones(len(positions)), gamma=rl.gamma, lam=rl.lam)
+            per_row.append((positions, adv, ret, v))
+        flat = np.concatenate([adv for _, adv, _, _ in per_row])
+        mean, std = (flat.mean(), flat.std()) if rl.whiten_advantages else (0.0, 1.0)
+        critic_rows = []
+        for row, (positions, adv, ret, v) in zip(rows, per_row):
+            n = len(row["input_ids"])
+            advantages, returns = np.full(n, np.nan), np.full(n, np.nan)
+            advantages[positions] = (adv - mean) / (std + 1e-8) if rl.whiten_advantages else adv
+            returns[positions] = ret
+            row["advantages"] = advantages.tolist()
+            critic_rows.append(
+                {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "returns": returns, "old_values": v}
+            )
+        return critic_rows, {"values_s": time.perf_counter() - start, "advantage_std": float(flat.std())}
 
     def state(self) -> dict:
         return {"prompts": {"sampler": self.sampler.state_dict()}}
 
     def save(self) -> Path:
+        if self.critic is not None:
+            self.critic.save()
         return self.worker.save(self.state())
 
     def run(self) -> str:

@@ -39,7 +39,7 @@ from backend.data.row_fields import PASS_THROUGH, row_fields
 from backend.data.sample import POLICY_FIELDS
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_distributed, shutdown_distributed
-from backend.train.forward_only import compute_logprobs
+from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
 from backend.train.trainer import Trainer
 
@@ -74,8 +74,9 @@ def check_worker_config(cfg) -> None:
         )
 
 
-class PolicyWorker:
-    """The policy trainer of one process of an SPMD world (see the module docstring)."""
+class TrainerWorker:
+    """What the policy and the value worker share: a trainer fed from memory in one process of an
+    SPMD world (see the module docstring): build, train_step, save, close."""
 
     def __init__(self, trainer: Trainer, *, owns_world: bool = False):
         self.trainer = trainer
@@ -84,7 +85,12 @@ class PolicyWorker:
         self.closed = False
 
     @classmethod
-    def from_config(cls, path: str | Path, overrides: Sequence[str] = (), *, env=None) -> PolicyWorker:
+    def check_config(cls, cfg) -> None:
+        """What this kind of worker refuses in a config, with the key to change."""
+        check_worker_config(cfg)
+
+    @classmethod
+    def from_config(cls, path: str | Path, overrides: Sequence[str] = (), *, env=None):
         """Build what ``python -m backend.train`` builds (model from ``model.hf_checkpoint`` or the
         seed, optimizer, schedule, FSDP2 x CP, the reference model when ``loss.reference_checkpoint``
         is set), take the run directory's lock, write ``config.yaml``, and resume from the run's
@@ -92,7 +98,7 @@ class PolicyWorker:
         one is joined, or formed for a single process, and shut down by ``close``)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if env is None else env.world_size
         cfg = validate(load_config(path, list(overrides)), world_size=world_size, from_memory=True)
-        check_worker_config(cfg)
+        cls.check_config(cfg)
         owns = env is None and not dist.is_initialized()
         if env is None:
             env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
@@ -128,29 +134,6 @@ class PolicyWorker:
         meta = self.trainer.resumed_meta
         return None if meta is None else meta.get("caller_state")
 
-    def _model(self, model: str):
-        if model not in MODELS:
-            raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
-        if model == "reference":
-            if self.trainer.reference is None:
-                raise ConfigError("model='reference': set loss.reference_checkpoint to load a reference model")
-            return self.trainer.reference
-        return self.trainer.model
-
-    def logprobs(self, rows: Sequence[dict], model: str = "policy") -> list[np.ndarray]:
-        """Per-token log-probabilities of each row's tokens under ``model`` ("policy" or
-        "reference"): float32 arrays as long as the row, aligned like ``old_logprobs`` (entry t is
-        token t as a target; entry 0 NaN), in the caller's order, on every rank, at
-        ``loss.temperature``. Planned under ``train.forward_max_tokens_per_gpu`` in the configured
-        layout and dp x cp."""
-        cfg, env = self.cfg, self.env
-        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
-        check_same_arguments(_rows_digest(dataset), what="logprobs rows")
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
-        samples = [dataset[i] for i in range(len(dataset))]
-        values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
-        return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
-
     def train_step(self, rows: Sequence[dict], extra_metrics: dict | None = None) -> dict:
         """One optimizer step whose window is exactly ``rows`` (any count), through the CLI's
         planner, loss, window normalisation and guards; returns the step's metrics row (as written
@@ -185,22 +168,6 @@ class PolicyWorker:
             trainer.step -= 1  # nothing was applied: the next call trains this step again
             raise
 
-    def weight_metadata(self, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """(HF name, dtype, shape) of each tensor ``hf_weights(dtype)`` yields, in the same order."""
-        return weights.weight_metadata(self.trainer.model, self.fields, dtype)
-
-    def hf_weights(self, dtype=None, *, device=None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full unsharded tensor) pairs, one parameter at a time, on ``device``
-        (default: the model's device); every rank must iterate to the end in lockstep. Bitwise the
-        tensors ``tools/export_hf.py`` writes at the same weights and dtype (None: FP32)."""
-        return weights.hf_weights(self.trainer.model, self.fields, dtype, device=device or self.env.device)
-
-    def hf_config(self, dtype=None) -> dict:
-        """The config.json a generator builds its model from (``export_hf`` writes the same)."""
-        from backend.model.hf.export import hf_config_dict
-
-        return hf_config_dict(self.fields, dtype=weights.export_dtype(dtype, self.trainer.model))
-
     def save(self, state: dict | None = None) -> Path:
         """A checkpoint of the current step that ``python -m backend.train`` and ``from_config``
         resume; ``state`` (JSON-serialisable: a loop's prompt stream position) comes back as
@@ -223,3 +190,80 @@ class PolicyWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PolicyWorker(TrainerWorker):
+    """The policy trainer: log-probabilities, train_step, and its weights as a Hugging Face stream."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        check_worker_config(cfg)
+        if cfg.model.head != "lm":
+            raise ConfigError(
+                "model.head=value: a critic is a ValueWorker (backend.rl.ValueWorker), not a PolicyWorker"
+            )
+
+    def _model(self, model: str):
+        if model not in MODELS:
+            raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
+        if model == "reference":
+            if self.trainer.reference is None:
+                raise ConfigError("model='reference': set loss.reference_checkpoint to load a reference model")
+            return self.trainer.reference
+        return self.trainer.model
+
+    def logprobs(self, rows: Sequence[dict], model: str = "policy") -> list[np.ndarray]:
+        """Per-token log-probabilities of each row's tokens under ``model`` ("policy" or
+        "reference"): float32 arrays as long as the row, aligned like ``old_logprobs`` (entry t is
+        token t as a target; entry 0 NaN), in the caller's order, on every rank, at
+        ``loss.temperature``. Planned under ``train.forward_max_tokens_per_gpu`` in the configured
+        layout and dp x cp."""
+        cfg, env = self.cfg, self.env
+        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
+        check_same_arguments(_rows_digest(dataset), what="logprobs rows")
+        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        samples = [dataset[i] for i in range(len(dataset))]
+        values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
+        return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
+
+    def weight_metadata(self, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(HF name, dtype, shape) of each tensor ``hf_weights(dtype)`` yields, in the same order."""
+        return weights.weight_metadata(self.trainer.model, self.fields, dtype)
+
+    def hf_weights(self, dtype=None, *, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full unsharded tensor) pairs, one parameter at a time, on ``device``
+        (default: the model's device); every rank must iterate to the end in lockstep. Bitwise the
+        tensors ``tools/export_hf.py`` writes at the same weights and dtype (None: FP32)."""
+        return weights.hf_weights(self.trainer.model, self.fields, dtype, device=device or self.env.device)
+
+    def hf_config(self, dtype=None) -> dict:
+        """The config.json a generator builds its model from (``export_hf`` writes the same)."""
+        from backend.model.hf.export import hf_config_dict
+
+        return hf_config_dict(self.fields, dtype=weights.export_dtype(dtype, self.trainer.model))
+
+
+class ValueWorker(TrainerWorker):
+    """PPO's critic (``model.head: value``, ``loss.type: value``) with the policy worker's shape:
+    ``values(rows)``, ``train_step(rows)`` (rows carry ``returns`` and ``old_values``), ``save()``.
+    Planned exactly as the policy: the same planner, layouts and dp x cp."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.model.head != "value" or cfg.loss.type != "value":
+            raise ConfigError(
+                f"a ValueWorker needs model.head=value and loss.type=value (got model.head={cfg.model.head}, "
+                f"loss.type={cfg.loss.type})"
+            )
+
+    def values(self, rows: Sequence[dict]) -> list[np.ndarray]:
+        """The critic's value of each row's tokens: float32 arrays as long as the row, aligned like
+        ``old_logprobs`` (entry t values the state before token t; entry 0 NaN), in the caller's
+        order, on every rank; planned under ``train.forward_max_tokens_per_gpu``."""
+        cfg, env = self.cfg, self.env
+        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
+        check_same_arguments(_rows_digest(dataset), what="values rows")
+        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        samples = [dataset[i] for i in range(len(dataset))]
+        out = compute_values(self.trainer.model, samples, env, planner)
+        return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in out]

@@ -20,45 +20,63 @@ from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 from backend.distributed.fsdp import forward_only
 
-from .step import microbatch_logprobs, placeholder_microbatch
+from .step import microbatch_logprobs, microbatch_values, placeholder_microbatch
 
 
 def compute_logprobs(model, samples: list[Sample], env, planner, *, temperature: float = 1.0) -> list[np.ndarray]:
     """For each sample of n tokens, n-1 values: log p(token t | tokens before t), t = 1..n-1, of
     softmax(logits / ``temperature``) (the sampler's distribution at that temperature)."""
+
+    def logprobs(batch):
+        return microbatch_logprobs(
+            model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
+        )[0]
+
     with forward_only(model):
-        return _compute_logprobs(model, samples, env, planner, temperature)
+        return per_token_outputs(samples, env, planner, logprobs)
 
 
-def _compute_logprobs(model, samples: list[Sample], env, planner, temperature: float) -> list[np.ndarray]:
+def compute_values(model, samples: list[Sample], env, planner) -> list[np.ndarray]:
+    """A critic's values of each sample of n tokens: n-1 values, the one for target t (the state
+    before token t) at t - 1, like ``compute_logprobs``."""
+    with forward_only(model):
+        return per_token_outputs(
+            samples,
+            env,
+            planner,
+            lambda batch: microbatch_values(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0),
+        )
+
+
+def per_token_outputs(samples: list[Sample], env, planner, evaluate) -> list[np.ndarray]:
+    """``evaluate(microbatch)`` -> [rows, s_local] per position, for many samples: planned under the
+    forward budget, run, un-cut (CP), cropped to each sample's n-1 targets and returned in the
+    caller's order on every rank."""
     plan = planner([len(s.tokens) for s in samples])
     mine: dict[int, np.ndarray] = {}
     for mb in plan.microbatches(env.dp_rank):
         if mb.is_empty:  # keep FSDP's per-forward collectives in step with the other ranks
-            batch = placeholder_microbatch(env.cp_size).to(env.device)
-            microbatch_logprobs(model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature)
+            evaluate(placeholder_microbatch(env.cp_size).to(env.device))
             continue
         batch = collate(
             [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
         batch = batch.to(env.device)
-        logp, _ = microbatch_logprobs(
-            model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
-        )
+        out = evaluate(batch)
         if batch.is_packed:  # one row: sequence i's targets start at its padded offset
             offsets = batch.cu_seqlens_padded.tolist()
             if env.cp_size > 1:
                 segments = [b - a for a, b in zip(offsets, offsets[1:])]
-                logp = packed_cp_unshard(all_gather_tensors(logp, env.cp_group), segments)
-            logp = logp[0].cpu().numpy()
+                out = packed_cp_unshard(all_gather_tensors(out, env.cp_group), segments)
+            out = out[0].cpu().numpy()
             for offset, index in zip(offsets, mb.indices):
-                mine[index] = logp[offset : offset + len(samples[index].tokens) - 1].copy()
+                mine[index] = out[offset : offset + len(samples[index].tokens) - 1].copy()
             continue
         if env.cp_size > 1:
-            logp = cp_unshard(all_gather_tensors(logp, env.cp_group))
-        logp = logp.cpu().numpy()
+            out = cp_unshard(all_gather_tensors(out, env.cp_group))
+        out = out.cpu().numpy()
         for row, index in enumerate(mb.indices):
-            mine[index] = logp[row, : len(samples[index].tokens) - 1].copy()
+            mine[index] = out[row, : len(samples[index].tokens) - 1].copy()
     merged: dict[int, np.ndarray] = {}
     for part in all_gather_objects(mine):
         merged.update(part)

@@ -30,8 +30,9 @@ from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import set_grad_sync
 from backend.loss.cross_entropy import weighted_token_sum, window_normaliser
 from backend.loss.policy import WindowStats, policy_token_terms, token_scale
+from backend.loss.value import ValueStats, value_token_terms
 from backend.model import moe_stats
-from backend.model.builder import token_logprobs, token_losses
+from backend.model.builder import token_logprobs, token_losses, token_values
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -149,6 +150,8 @@ def forward_backward(
     """
     if loss_cfg is not None and loss_cfg.type == "policy":
         return policy_forward_backward(model, data, env, loss_cfg, microbatch_hook=microbatch_hook)
+    if loss_cfg is not None and loss_cfg.type == "value":
+        return value_forward_backward(model, data, env, loss_cfg, microbatch_hook=microbatch_hook)
     normaliser = window_normaliser(data.global_loss_tokens)
     local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
 
@@ -218,6 +221,45 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
 
     backward_window(model, data, env, microbatch_objective, microbatch_hook)
     return stats.reduce(kl=bool(loss_cfg.kl_coef), entropy=True)
+
+
+def microbatch_values(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
+    """A critic's values [rows, s_local] (FP32) of one microbatch on its device, aligned like the
+    labels: entry i values the state before the token at i + 1."""
+    return token_values(
+        model, mb.tokens, mb.position_ids, mb.valid, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb)
+    )
+
+
+def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_hook=None) -> dict:
+    """PPO's clipped value loss over the window (``backend/loss/value.py``), normalised like the
+    policy loss (token or sequence, the window's denominators). Returns ``loss`` (= vf_loss),
+    vf_clipfrac, value_mean, return_mean, explained_variance."""
+    stats = ValueStats(env.device)
+
+    def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
+        mb = mb.to(env.device)
+        values = microbatch_values(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+        terms = value_token_terms(
+            values,
+            loss_mask=mb.loss_mask,
+            loss_weight=mb.loss_weight,
+            returns=mb.returns,
+            old_values=mb.old_values,
+            cfg=loss_cfg,
+        )
+        scale = token_scale(
+            mb.loss_mask,
+            mb.sequence_targets,
+            normalization=loss_cfg.normalization,
+            window_tokens=data.global_loss_tokens,
+            window_sequences=data.global_loss_sequences,
+        )
+        stats.add(terms, scale)
+        return (terms["objective"] * scale).sum()
+
+    backward_window(model, data, env, microbatch_objective, microbatch_hook)
+    return stats.reduce()
 
 
 def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int) -> dict:

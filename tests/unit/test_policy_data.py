@@ -276,3 +276,42 @@ def test_loss_config_errors_name_the_key(overrides, needle):
 def test_policy_on_the_embedded_data_is_refused():
     with pytest.raises(ConfigError, match="data.path=embedded: loss.type=policy trains on rollouts"):
         validate(load_config(None, ["loss.type=policy"]))
+
+
+def test_value_fields_are_read_required_refused_and_carried(tmp_path):
+    value = row_fields(LossConfig(type="value"))
+    assert value.required == ("returns", "old_values")
+    assert row_fields(LossConfig(type="value", value_clip=0.0)).required == ("returns",)
+    row = {
+        "input_ids": [1, 2, 3, 4],
+        "loss_mask": [0, 1, 1, 1],
+        "returns": [None, 1, 2, 3],
+        "old_values": [0, 0.5, 1, 1],
+    }
+    (s,) = read(jsonl(tmp_path, [row]), fields=value)
+    assert s.returns[1:].tolist() == [1, 2, 3] and s.old_values.tolist() == [0, 0.5, 1, 1]
+    with pytest.raises(
+        DataFormatError, match=r"'returns' is a value-loss field, but loss.type=cross_entropy .*loss.type=value"
+    ):
+        read(jsonl(tmp_path, [row], "ce.jsonl"), fields=row_fields(LossConfig()))
+    with pytest.raises(DataFormatError, match=r"rows.jsonl:1: 'returns' is nan at token 2, a loss token"):
+        read(jsonl(tmp_path, [{**row, "returns": [None, 1, None, 3]}]), fields=value)
+    write_indexed(tmp_path / "v", [s], 256)
+    assert IndexedTokenDataset(tmp_path / "v", value)[0].returns[1:].tolist() == [1, 2, 3]
+    cut = LengthLimitedDataset(InMemoryDataset([s], "rows"), 3, "truncate")[0]
+    assert len(cut.returns) == len(cut.old_values) == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["loss.type=value"], "loss.type=value with model.head=lm"),
+        (["model.head=value"], "loss.type=cross_entropy with model.head=value"),
+        (["loss.value_clip=0.3"], "loss.value_clip: only read with loss.type=value"),
+        (["model.head=value", "loss.type=value", "loss.kl_coef=0.1"], "loss.kl_coef: only read with loss.type=policy"),
+        (["model.head=value", "loss.type=value", "model.logits_chunk_tokens=64"], "a critic's head has one output"),
+    ],
+)
+def test_value_config_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config("configs/quickstart.yaml", ["data.path=x.jsonl", *overrides]))

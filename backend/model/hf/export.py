@@ -96,6 +96,14 @@ def hf_config_dict(fields: dict, *, dtype: str = "bf16", source_config: dict | N
     for key in _CARRIED_KEYS:
         if source_config and source_config.get(key) is not None:
             cfg[key] = source_config[key]
+    if fields.get("head") == "value":  # a critic: AutoModelForTokenClassification with one label
+        cfg.update(
+            architectures=[ARCHITECTURES[model_type].replace("ForCausalLM", "ForTokenClassification")],
+            num_labels=1,
+            id2label={"0": "LABEL_0"},
+            label2id={"LABEL_0": 0},
+            tie_word_embeddings=False,
+        )
     return cfg
 
 

@@ -99,10 +99,28 @@ def _fill(param, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def has_value_head(hf_dir: str | Path) -> bool:
+    """Whether the checkpoint holds a token-classification head (``score.weight``): a critic."""
+    with HFCheckpoint(hf_dir) as ckpt:
+        return "score.weight" in set(ckpt.names())
+
+
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict) -> int:
-    """Copy the checkpoint's weights into ``model``; returns the number of parameters filled."""
+def init_value_head(model: torch.nn.Module, *, std: float, seed: int) -> None:
+    """A critic's head for a model imported from a causal LM (no ``score`` in the checkpoint):
+    weight ~ N(0, std) from ``seed`` (the same on every rank, each keeping its shard), bias 0."""
     params = {_strip(n): p for n, p in model.named_parameters()}
+    weight, bias = params["output_layer.weight"], params["output_layer.bias"]
+    g = torch.Generator().manual_seed(seed)
+    _fill(weight, (torch.randn(tuple(weight.shape), generator=g) * std).to(weight.dtype))
+    _fill(bias, torch.zeros(tuple(bias.shape), dtype=bias.dtype))
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *, skip=()) -> int:
+    """Copy the checkpoint's weights into ``model``; returns the number of parameters filled.
+    ``skip``: parameters the caller fills itself (a critic's head imported from a causal LM)."""
+    params = {_strip(n): p for n, p in model.named_parameters() if _strip(n) not in set(skip)}
     maps = hf_to_megatron_names(fields)
     wanted = {pm.megatron for pm in maps}
     absent = sorted(wanted - set(params))

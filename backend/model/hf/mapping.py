@@ -78,12 +78,19 @@ def _layer_entries(fields: dict) -> list[tuple[str, tuple[str, ...], Callable, C
     return entries
 
 
+#: A critic's scalar head (``model.head: value``), as transformers' ``*ForTokenClassification``
+#: names it (one label): our output_layer.weight [1, hidden] and its bias.
+VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
+
+
 def _top_entries(fields: dict) -> list[tuple[str, tuple[str, ...], Callable, Callable]]:
     entries = [
         ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), copy_in, copy_out),
         ("decoder.final_layernorm.weight", ("model.norm.weight",), copy_in, copy_out),
     ]
-    if not fields["tie_embeddings"]:
+    if fields.get("head") == "value":
+        entries += [(ours, (theirs,), copy_in, copy_out) for ours, theirs in VALUE_HEAD.items()]
+    elif not fields["tie_embeddings"]:
         entries.append(("output_layer.weight", ("lm_head.weight",), copy_in, copy_out))
     return entries
 
@@ -136,4 +143,5 @@ def ignorable_hf_names(fields: dict) -> tuple[str, ...]:
     Tied checkpoints sometimes also store ``lm_head.weight`` (a copy of the embedding); the tied
     model has no output weight of its own, so it is skipped.
     """
-    return IGNORABLE_HF_PATTERNS + ((r"lm_head\.weight",) if fields["tie_embeddings"] else ())
+    unused_lm_head = fields["tie_embeddings"] or fields.get("head") == "value"  # a critic from a causal LM
+    return IGNORABLE_HF_PATTERNS + ((r"lm_head\.weight",) if unused_lm_head else ())
