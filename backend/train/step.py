@@ -183,6 +183,18 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
             total.backward()
 
 
+def window_scale(mb: MicrobatchTensors, data: StepData, loss_cfg) -> torch.Tensor:
+    """Each position's share of the window objective (policy and value losses alike): the window's
+    loss tokens, or its sequences, never the microbatch's (``loss.normalization``)."""
+    return token_scale(
+        mb.loss_mask,
+        mb.sequence_targets,
+        normalization=loss_cfg.normalization,
+        window_tokens=data.global_loss_tokens,
+        window_sequences=data.global_loss_sequences,
+    )
+
+
 def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_hook=None) -> dict:
     """The policy objective's gradient over the window (``policy_loss``): per microbatch, the
     log-probabilities and entropy from the logits, the per-token terms, each token scaled by its
@@ -209,13 +221,7 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
             rollout_logprobs=mb.rollout_logprobs,
             sequence_sum=sequence_sum(mb, env.cp_group if env.cp_size > 1 else None),
         )
-        scale = token_scale(
-            mb.loss_mask,
-            mb.sequence_targets,
-            normalization=loss_cfg.normalization,
-            window_tokens=data.global_loss_tokens,
-            window_sequences=data.global_loss_sequences,
-        )
+        scale = window_scale(mb, data, loss_cfg)
         stats.add(terms, scale)
         return (terms["objective"] * scale).sum()
 
@@ -248,13 +254,7 @@ def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_h
             old_values=mb.old_values,
             cfg=loss_cfg,
         )
-        scale = token_scale(
-            mb.loss_mask,
-            mb.sequence_targets,
-            normalization=loss_cfg.normalization,
-            window_tokens=data.global_loss_tokens,
-            window_sequences=data.global_loss_sequences,
-        )
+        scale = window_scale(mb, data, loss_cfg)
         stats.add(terms, scale)
         return (terms["objective"] * scale).sum()
 
