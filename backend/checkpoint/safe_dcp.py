@@ -352,8 +352,8 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             with only_torch_safe_globals():
                 return super().read_data(plan, planner)
-        except CheckpointError:
-            raise
+        except (CheckpointError, MemoryError, torch.OutOfMemoryError):
+            raise  # ours already names the file; running out of memory is no verdict on the checkpoint
         except Exception as e:  # torch's own refusal (a damaged archive, a bad tensor record): name the file
             reason = (str(e).strip().splitlines() or [""])[0][:300]
             raise CheckpointFileError(f"{self._reading}: unreadable: {type(e).__name__}: {reason}") from e

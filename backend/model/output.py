@@ -57,35 +57,57 @@ def _logp_chunk(h, w, lse, temperature):
 
 
 def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w):
-    """Add one chunk's gradients to ``grad_h`` (its rows) and ``grad_w``, consuming ``logp``.
+    """Add one chunk's gradients to ``grad_h`` (its rows) and ``grad_w`` (a [V', H] view in the
+    wide dtype), consuming ``logp``.
 
-    With g = dL/dlog p(y) and z = h W^T / T: dL/dz = g (onehot(y) - p) - g_H p (log p + H), so
-    dL/dh = (g (W[y] - p W) + E W) / T and dL/dW = (onehot - p)^T (g h) / T + E^T h / T with
-    E = -g_H p (log p + H) (only with an entropy gradient): the [chunk, V] buffers are the
-    probabilities (and E); every scaling happens on [chunk, H] or [V, H]."""
+    With g = dL/dlog p(y) and z = h W^T / T: dL/dz = g (onehot(y) - p) - g_H p (log p + H).
+    In FP32 / FP64 compute the big buffer stays the probabilities and every scaling happens on
+    [chunk, H] or [V, H] tensors: dL/dh = (g (W[y] - p W) + E W) / T, dL/dW = (onehot - p)^T (g h)
+    / T + E^T h / T, E = -g_H p (log p + H). In BF16 / FP16 compute dL/dz is built whole in FP32
+    first and rounded once: rounding p before onehot - p would turn a confident token's 1 - p_y
+    into 0 (BF16 steps are 2^-8 near 1) and bias every gradient."""
     wide = grad_w.dtype if grad_w is not None else _wide(h.dtype)
-    g = g[:, None] / temperature
+    g = g[:, None].to(logp.dtype) / temperature
     extra = None
     if g_ent is not None:
         p = logp.exp()
         logp += entropy[:, None]
         logp *= p
-        logp *= -g_ent[:, None] / temperature
-        extra = logp.to(h.dtype)
+        logp *= -g_ent[:, None].to(logp.dtype) / temperature
+        extra = logp
     else:
         p = logp.exp_()
     del logp
-    pc = p.to(h.dtype)
-    gh = g.to(h.dtype) * h
+    if _wide(h.dtype) != h.dtype:  # low-precision compute: dL/dz in FP32, rounded once
+        dz = p.mul_(-g)
+        if extra is not None:
+            dz += extra
+            del extra
+        dz.scatter_add_(1, y[:, None], g)
+        dz16 = dz.to(h.dtype)
+        del dz, p
+        if grad_h is not None:
+            grad_h += dz16 @ w
+        if grad_w is not None:
+            grad_w.addmm_(dz16.t().to(wide), h.to(wide))
+        return
+    gh = g * h
     if grad_h is not None:
-        grad_h += g.to(h.dtype) * (w[y] - pc @ w)
+        grad_h += g * (w[y] - p @ w)
         if extra is not None:
             grad_h += extra @ w
     if grad_w is not None:
-        grad_w.addmm_(pc.t().to(wide), gh.to(wide), alpha=-1.0)
+        grad_w.addmm_(p.t().to(wide), gh.to(wide), alpha=-1.0)
         grad_w.index_add_(0, y, gh.to(wide))
         if extra is not None:
             grad_w.addmm_(extra.t().to(wide), h.to(wide))
+
+
+def _weight_grad(weight: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the full [V, H] gradient in the wide dtype, its view over the first ``limit`` rows): the
+    padding rows stay 0, with no second buffer to copy into."""
+    full = torch.zeros(weight.shape, dtype=_wide(weight.dtype), device=weight.device)
+    return full, (full[:limit] if limit else full)
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -111,11 +133,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=wide, device=hidden.device) if want_entropy else None
         fused = grad_hint is not None and not want_entropy and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_h = torch.zeros_like(hidden) if fused and ctx.needs_input_grad[0] else None
-        grad_w = (
-            torch.zeros(w.shape, dtype=_wide(weight.dtype), device=w.device)
-            if fused and ctx.needs_input_grad[1]
-            else None
-        )
+        grad_w_full, grad_w = _weight_grad(weight, vocab_limit) if fused and ctx.needs_input_grad[1] else (None, None)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             y = labels[s:e, None]
@@ -130,7 +148,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                 rows = grad_h[s:e] if grad_h is not None else None
                 _chunk_grads(hidden[s:e], w, labels[s:e], logp, grad_hint[s:e], None, None, temperature, rows, grad_w)
             del logp
-        ctx.fused = (grad_hint, grad_h, grad_w) if fused else None
+        ctx.fused = (grad_hint, grad_h, grad_w_full) if fused else None
+        ctx.set_materialize_grads(False)  # an unused (or detached) entropy sends None, not zeros to add
         ctx.save_for_backward(hidden, weight, labels, lse, ent if want_entropy else lse)
         ctx.chunk, ctx.temperature, ctx.vocab_limit, ctx.want_entropy = chunk, temperature, vocab_limit, want_entropy
         if ent is None:
@@ -145,6 +164,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = grad_w = None
+        if grad_lp is None:
+            grad_lp = torch.zeros(n, dtype=lse.dtype, device=lse.device)
         if ctx.fused is not None:
             hint, grad_h, grad_w = ctx.fused
             ctx.fused = None
@@ -158,7 +179,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_w = grad_w * scale if grad_w is not None else None
         if grad_h is None and grad_w is None:
             grad_h = torch.zeros_like(hidden) if need_h else None
-            grad_w = torch.zeros(w.shape, dtype=_wide(weight.dtype), device=w.device) if need_w else None
+            grad_w, grad_w_rows = _weight_grad(weight, limit) if need_w else (None, None)
             with_entropy = ctx.want_entropy and grad_ent is not None and grad_ent.numel() == n
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
@@ -174,14 +195,10 @@ class ChunkedLogprobs(torch.autograd.Function):
                     entropy[s:e] if with_entropy else None,
                     temperature,
                     grad_h[s:e] if grad_h is not None else None,
-                    grad_w,
+                    grad_w_rows,
                 )
         if grad_w is not None:
-            if limit:
-                full = torch.zeros(weight.shape, dtype=grad_w.dtype, device=weight.device)
-                full[: w.shape[0]] = grad_w  # padding rows: no gradient
-                grad_w = full
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w.to(weight.dtype)  # padding rows: no gradient
         return grad_h, grad_w, None, None, None, None, None, None
 
 

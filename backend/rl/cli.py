@@ -62,6 +62,25 @@ def build_critic(config, overrides, worker, env):
     return ValueWorker.from_config(config, keys, env=env)
 
 
+def check_loop_config(cfg) -> None:
+    """``rl.*`` errors found without building anything: the reward loads, the prompt file exists,
+    the sampler's temperature is the trainer's."""
+    from pathlib import Path
+
+    from backend.data.errors import DataNotFoundError
+
+    from .reward import load_reward
+
+    if cfg.loss.type == "policy" and cfg.rl.temperature != cfg.loss.temperature:
+        raise ConfigError(
+            f"rl.temperature={cfg.rl.temperature} but loss.temperature={cfg.loss.temperature}: the trainer would "
+            f"compute log-probabilities of another distribution than the one the sampler drew from; set both the same"
+        )
+    if not cfg.rl.prompts or not Path(cfg.rl.prompts).is_file():
+        raise DataNotFoundError(f"rl.prompts: no such file {cfg.rl.prompts!r}; point it at a JSONL file of prompt rows")
+    load_reward(cfg.rl.reward)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.rl", description=__doc__)
     parser.add_argument("config", help="YAML config file (see configs/grpo_demo.yaml)")
@@ -88,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         from .loop import GRPOLoop
         from .worker import PolicyWorker
 
+        check_loop_config(cfg)  # the loop's own keys, before minutes of model building
         env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        worker = critic = None
         try:
             worker = PolicyWorker.from_config(args.config, args.overrides, env=env)
             critic = build_critic(args.config, args.overrides, worker, env) if cfg.rl.advantage == "gae" else None
@@ -99,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             worker.trainer.end_summary(outcome)
             if wandb_run is not None:
                 wandb_run.finish()
-            worker.close()
-            if critic is not None:
-                critic.close()
         finally:
+            for w in (critic, worker):  # metrics flushed and run directories released, whatever happened
+                if w is not None:
+                    w.close()
             shutdown_distributed()
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0
 

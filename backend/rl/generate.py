@@ -7,7 +7,10 @@ matching parameter: the contract vLLM's ``model.load_weights`` and SGLang's weig
 so ``vllm_generator.VLLMGenerator`` is a drop-in on the same stream.
 
 Sampling is plain ancestral sampling from softmax(logits / T) over the tokenizer's ids (ids the
-model has beyond the tokenizer's vocabulary, padding rows of the embedding, are never sampled),
+model has beyond the tokenizer's vocabulary, padding rows of the embedding, are never sampled: a
+row must hold tokenizer ids. The trainer keeps them out of its softmax too for the rows we padded;
+an imported checkpoint's extra rows (Qwen3: 151,669 ids in 151,936 rows) stay in the trainer's
+softmax, as in transformers, so their probability mass shows up in the mismatch metrics),
 with a KV cache, one prompt's ``n`` samples as one batch (no padding: they share the prompt), a
 ``torch.Generator`` seeded per call (the same seed gives the same responses on any rank), and
 each sampled token's log-probability under that distribution returned beside it: what the

@@ -34,6 +34,7 @@ import numpy as np
 
 from backend.checkpoint.meta import check_sampler_state
 from backend.config import ConfigError
+from backend.data.errors import DataStreamError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
 from backend.train.preemption import StopRequest
@@ -50,15 +51,32 @@ def sampling_seed(seed: int, step: int, slot: int) -> int:
     return int(np.random.SeedSequence([seed, step, slot]).generate_state(1)[0])
 
 
+def _eos_ids(path: Path) -> list[int]:
+    """The ``eos_token_id`` (an id or a list of ids) of a Hugging Face JSON file; [] when the file,
+    the key or a usable value is missing (then the next source is tried)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        log.warning("%s: not readable JSON; its eos_token_id is not used", path)
+        return []
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return []
+    return list(ids)
+
+
 def stop_token_ids(cfg, tokenizer) -> list[int]:
     """``rl.stop_token_ids``, else model.hf_checkpoint's ``eos_token_id``, else the tokenizer's
     end of document (``data.append_eod``), else none."""
     if cfg.rl.stop_token_ids:
         return list(cfg.rl.stop_token_ids)
-    if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "config.json").is_file():
-        eos = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text()).get("eos_token_id")
-        if eos is not None:
-            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    if cfg.model.hf_checkpoint:
+        # generation_config.json first (where chat models list their end-of-turn ids), then config.json
+        for name in ("generation_config.json", "config.json"):
+            ids = _eos_ids(Path(cfg.model.hf_checkpoint) / name)
+            if ids:
+                return ids
     eod = getattr(tokenizer, "eod_id", None)
     return [eod] if eod is not None else []
 
@@ -96,7 +114,19 @@ class GRPOLoop:
         state = worker.resumed_state
         if state is not None:  # the prompt stream's position at the checkpoint this run resumed from
             source = f"the checkpoint of step {worker.step}"
-            self.sampler.load_state_dict(check_sampler_state(state.get("prompts"), source, "caller_state.prompts"))
+            try:
+                self.sampler.load_state_dict(check_sampler_state(state.get("prompts"), source, "caller_state.prompts"))
+            except DataStreamError as e:
+                raise ConfigError(
+                    f"cannot continue the prompt stream of {source}: {e} (in the loop: rl.prompts decides the number "
+                    f"of prompts, rl.prompts_per_step the window, train.seed the order)"
+                ) from None
+        elif worker.step and worker.env.is_main:
+            log.warning(
+                "resumed at step %d from a checkpoint with no prompt-stream position (written by python -m "
+                "backend.train or worker.save() without a state): the prompts start again from the beginning",
+                worker.step,
+            )
         self.last_sync = None  # SyncStats of the load that gave the generator its current weights
 
     def sync_weights(self):
@@ -113,28 +143,34 @@ class GRPOLoop:
         start = time.perf_counter()
         for slot in range(env.rank, len(ids), env.world_size):
             prompt = self.prompts[int(ids[slot])]
-            completions = self.generator.generate(
-                prompt.token_ids,
-                rl.samples_per_prompt,
-                rl.temperature,
-                rl.max_new_tokens,
-                sampling_seed(self.cfg.train.seed, step, slot),
-            )
             rewards = []
-            try:
+            try:  # any failure is shared with the other ranks below (raising here alone would hang them)
+                completions = self.generator.generate(
+                    prompt.token_ids,
+                    rl.samples_per_prompt,
+                    rl.temperature,
+                    rl.max_new_tokens,
+                    sampling_seed(self.cfg.train.seed, step, slot),
+                )
                 for k, c in enumerate(completions):
                     response = self.worker.tokenizer.decode(c.token_ids)
                     where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
                     rewards.append(score(self.reward_fn, rl.reward, prompt.text, response, prompt.row, where=where))
             except RewardError as e:
-                error = str(e)
+                error = ("reward", str(e))
+                break
+            except Exception as e:
+                error = ("generate", f"generating for {prompt.where} on rank {env.rank}: {type(e).__name__}: {e}")
                 break
             mine[slot] = ([(c.token_ids, c.logprobs, c.stopped) for c in completions], rewards)
         generate_s = time.perf_counter() - start
         parts = all_gather_objects((mine, error)) if env.world_size > 1 else [(mine, error)]
         errors = [e for _, e in parts if e]
         if errors:
-            raise RewardError(errors[0] + " (nothing of this step was trained)")
+            kind, message = errors[0]
+            if kind == "reward":
+                raise RewardError(message + " (nothing of this step was trained)")
+            raise RuntimeError(message + " (nothing of this step was trained)")
         merged: dict[int, tuple[list, list[float]]] = {}
         for part, _ in parts:
             merged.update(part)

@@ -40,12 +40,16 @@ def load_reward(spec: str) -> Callable:
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[module_name] = module
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file failed to load (syntax, a missing dependency): one line
+            sys.modules.pop(module_name, None)
+            raise ConfigError(f"rl.reward={spec!r}: loading {path} raised {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as e:
-            raise ConfigError(f"rl.reward={spec!r}: cannot import {target!r} ({e})") from None
+        except Exception as e:
+            raise ConfigError(f"rl.reward={spec!r}: cannot import {target!r} ({type(e).__name__}: {e})") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"rl.reward={spec!r}: {target} has no function {name!r}")

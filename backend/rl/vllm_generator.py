@@ -39,6 +39,7 @@ class VLLMGenerator:
         hf_config: dict,
         *,
         stop_token_ids: Sequence[int] = (),
+        vocab_limit: int | None = None,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.3,
         bucket_bytes: int = 512 * 2**20,
@@ -64,10 +65,12 @@ class VLLMGenerator:
         )
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.bucket_bytes = bucket_bytes
+        # ids past the tokenizer's vocabulary (padding rows) are never sampled, as in HFGenerator
+        self.allowed = list(range(vocab_limit)) if vocab_limit and vocab_limit < hf_config["vocab_size"] else None
 
     @classmethod
     def from_worker(cls, worker, **kwargs) -> VLLMGenerator:
-        return cls(worker.hf_config(torch.bfloat16), **kwargs)
+        return cls(worker.hf_config(torch.bfloat16), vocab_limit=worker.tokenizer.vocab_size, **kwargs)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         def load(model):
@@ -107,6 +110,7 @@ class VLLMGenerator:
             logprobs=0,
             stop_token_ids=self.stop_token_ids,
             detokenize=False,
+            allowed_token_ids=self.allowed,
         )
         out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
         completions = []

@@ -33,12 +33,15 @@ import torch.distributed as dist
 
 from backend.checkpoint.hf_export import export_fields
 from backend.config import ConfigError, load_config, validate
+from backend.data.errors import DataFormatError
 from backend.data.iterator import planner_from_config, window_data
 from backend.data.memory_rows import rows_dataset
 from backend.data.row_fields import PASS_THROUGH, row_fields
 from backend.data.sample import POLICY_FIELDS
+from backend.distributed.collectives import all_gather_objects
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_distributed, shutdown_distributed
+from backend.errors import UserError
 from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
 from backend.train.trainer import Trainer
@@ -61,6 +64,29 @@ def _rows_digest(dataset) -> str:
             if value is not None:
                 h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()
+
+
+def agreed_rows(rows, tokenizer, data_cfg, *, fields, limit: bool, what: str):
+    """The rows as a dataset, parsed on every rank and checked to be the same rows everywhere. A
+    rank whose rows are refused shares its error in the same exchange, so every rank raises (one
+    rank raising while the others wait in a collective would hang)."""
+    error, dataset = None, None
+    try:
+        dataset = rows_dataset(rows, tokenizer, data_cfg, fields=fields, limit=limit)
+        digest = _rows_digest(dataset)
+    except UserError as e:
+        error, digest = e, f"error: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        digests = all_gather_objects(digest)
+        failed = [(r, d) for r, d in enumerate(digests) if d.startswith("error: ")]
+        if error is None and failed:
+            rank, message = failed[0]
+            raise DataFormatError(f"{what}: refused on rank {rank}: {message.removeprefix('error: ')}")
+        if error is None:
+            check_same_arguments(digest, what=what)  # every rank parsed: compare (cheap, same call everywhere)
+    if error is not None:
+        raise error
+    return dataset
 
 
 def check_worker_config(cfg) -> None:
@@ -140,8 +166,9 @@ class TrainerWorker:
         to ``metrics.jsonl``, with ``extra_metrics`` merged in) and appends it there."""
         trainer, cfg, env = self.trainer, self.cfg, self.env
         start = time.perf_counter()
-        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=row_fields(cfg.loss), limit=True)
-        check_same_arguments(_rows_digest(dataset), what="train_step rows")
+        dataset = agreed_rows(
+            rows, self.tokenizer, cfg.data, fields=row_fields(cfg.loss), limit=True, what="train_step rows"
+        )
         data = window_data(
             dataset,
             np.arange(len(dataset)),
@@ -151,6 +178,7 @@ class TrainerWorker:
             cp_size=env.cp_size,
         )
         trainer.step += 1
+        updates = trainer.scheduler.last_epoch  # moves once the optimizer step is applied
         try:
             check_plan_agreement(data.plan, step=trainer.step)
             recompute = trainer.policy and cfg.loss.old_logprobs == "recompute"
@@ -165,8 +193,11 @@ class TrainerWorker:
                 data, time.perf_counter() - start, source="rows", report=dataset.report, extra=extra_metrics
             )
         except BaseException:
-            trainer.step -= 1  # nothing was applied: the next call trains this step again
-            raise
+            if trainer.scheduler.last_epoch == updates:
+                # nothing was applied: drop any partial gradient, and the next call trains this step again
+                trainer.optimizer.zero_grad(set_to_none=True)
+                trainer.step -= 1
+            raise  # after the update (logging, the memory check): the step counts, as it was applied
 
     def save(self, state: dict | None = None) -> Path:
         """A checkpoint of the current step that ``python -m backend.train`` and ``from_config``
@@ -219,8 +250,7 @@ class PolicyWorker(TrainerWorker):
         ``loss.temperature``. Planned under ``train.forward_max_tokens_per_gpu`` in the configured
         layout and dp x cp."""
         cfg, env = self.cfg, self.env
-        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
-        check_same_arguments(_rows_digest(dataset), what="logprobs rows")
+        dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows")
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
         samples = [dataset[i] for i in range(len(dataset))]
         values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
@@ -261,8 +291,7 @@ class ValueWorker(TrainerWorker):
         ``old_logprobs`` (entry t values the state before token t; entry 0 NaN), in the caller's
         order, on every rank; planned under ``train.forward_max_tokens_per_gpu``."""
         cfg, env = self.cfg, self.env
-        dataset = rows_dataset(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False)
-        check_same_arguments(_rows_digest(dataset), what="values rows")
+        dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="values rows")
         planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
         samples = [dataset[i] for i in range(len(dataset))]
         out = compute_values(self.trainer.model, samples, env, planner)

@@ -82,6 +82,15 @@ def _rank(rank: int, world: int, tmp: str, rows_path: str) -> dict | None:
     out = worker.train_step([as_arrays[i] for i in order])
     same_params = torch.equal(cli_params, _params(worker.trainer.model))
     logprobs = worker.logprobs(rows)
+    # rows refused on one rank only: every rank raises (none waits forever in a collective)
+    bad = [dict(r) for r in rows]
+    if rank == world - 1:
+        bad[3]["loss_mask"] = [2] * len(bad[3]["input_ids"])
+    try:
+        worker.logprobs(bad)
+        refused = None
+    except Exception as e:
+        refused = f"{type(e).__name__}: {e}"
     hf = {name: t.clone() for name, t in worker.hf_weights()}
     hf_bf16 = {name: t.clone() for name, t in worker.hf_weights(torch.bfloat16)}
     meta = worker.weight_metadata()
@@ -118,6 +127,7 @@ def _rank(rank: int, world: int, tmp: str, rows_path: str) -> dict | None:
         resumed=resumed,
         mbs=out["num_microbatches"],
         rollouts=rollouts,
+        refused=refused,
     )
 
 
@@ -212,3 +222,11 @@ def test_the_loops_rollouts_do_not_depend_on_the_number_of_ranks(results):
         # the sampler's numbers: weights trained at dp 1 and dp 2 differ by FP32 rounding only
         assert np.allclose(a["rollout_logprobs"], b["rollout_logprobs"], rtol=0, atol=1e-5, equal_nan=True)
     assert len({tuple(r["input_ids"]) for r in one}) > 5  # real samples, not one repeated
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_rows_refused_on_one_rank_raise_on_every_rank(results, world):
+    refused = results[1][world]["refused"]  # rank 0's view: the bad rows were on the last rank
+    assert refused is not None and "rows[3]" in refused and "loss_mask" in refused, refused
+    if world == 2:
+        assert "refused on rank 1" in refused

@@ -166,3 +166,31 @@ def test_the_probe_measures_the_output_layer_per_token_cost_falling(world):
     assert chunked < 0.5 * whole, (chunked, whole)
     assert fits[64].budget >= fits[0].budget, (fits[64].budget, fits[0].budget)
     print(f"bytes a token: {whole:,.0f} whole, {chunked:,.0f} chunked; budgets {fits[0].budget} -> {fits[64].budget}")
+
+
+@pytest.mark.parametrize("entropy", ["", "grad"])
+def test_bf16_gradients_match_the_unchunked_path_on_confident_tokens(entropy):
+    """BF16 compute, labels the model is confident of (p ~ 0.999): the logits' gradient g (1 - p_y)
+    must be formed in FP32 before rounding (BF16 steps are 2^-8 near 1, so a rounded p_y of 1 would
+    zero the label's term and bias every gradient). Against autograd through the unchunked path."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(24, 32, generator=g).bfloat16()
+    w = (0.1 * torch.randn(70, 32, generator=g)).bfloat16()
+    labels = torch.randperm(70, generator=g)[:24]
+    w[labels] += 0.45 * h.float().sign().bfloat16()  # each token's own label row aligned with it: confident
+    coef = torch.randn(24, generator=g)
+    grads = {}
+    for name in ("unchunked", "chunked"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if name == "chunked":
+            lp, ent = chunked_logprobs(hh, ww, labels, chunk=5, entropy=entropy or "")
+        else:
+            logp = torch.log_softmax((hh @ ww.t()).float(), dim=-1)
+            lp, ent = logp.gather(1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+        loss = (coef * lp).sum() + (0.3 * ent.sum() if entropy else 0.0)
+        loss.backward()
+        grads[name] = (hh.grad.float(), ww.grad.float(), lp.detach())
+    p_label = grads["unchunked"][2].exp()
+    assert float(p_label.median()) > 0.99 and float(p_label.max()) < 1.0  # confident, not saturated
+    for a, b in zip(grads["chunked"][:2], grads["unchunked"][:2]):
+        assert float((a - b).norm() / b.norm()) < 0.02, float((a - b).norm() / b.norm())
