@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--temperature {temperature}: must be > 0")
 
         from backend.checkpoint.store import complete_checkpoints, load_model_weights
-        from backend.distributed.setup import init_distributed, shutdown_distributed
+        from backend.distributed.setup import init_from_config, shutdown_distributed
         from backend.model.factory import build_model
         from backend.train.forward_only import compute_logprobs
 
-        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        env = init_from_config(cfg)
         try:
             ckpt = args.checkpoint
             if ckpt is None and not cfg.model.hf_checkpoint:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend.batching.memory_fit import BudgetError
     from backend.config import load_config, validate
     from backend.data.tokenizers import build_tokenizer
-    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.distributed.setup import init_from_config, shutdown_distributed
     from backend.errors import UserError
     from backend.model.factory import build_model
     from backend.train.memory_meter import MemoryMeter, resident_tensors
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        env = init_distributed(cfg.parallel.context_parallel_size)
+        env = init_from_config(cfg)
         cfg = validate(cfg, env.world_size)
         tokenizer = build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)  # the run's vocabulary
         built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size)

@@ -36,14 +36,14 @@ def worker(argv: list[str]) -> int:
     the full gradient recorded between the backward and the update."""
     out, steps, config, *overrides = argv
     from backend.config import load_config, validate
-    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.distributed.setup import init_from_config, shutdown_distributed
     from backend.model import moe_stats
     from backend.train.step import apply_update, forward_backward
     from backend.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = validate(load_config(config, [*overrides, "checkpoint.resume=false", "logger.wandb.enable=false"]), world)
-    env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+    env = init_from_config(cfg)
     try:
         trainer = Trainer(cfg, env)
         params = [p for p in trainer.model.parameters()]

@@ -38,6 +38,10 @@ Allowed, reported:
   only the arithmetic of later steps changes, e.g. a CPU (fp32) run resumed on a GPU (bf16 under
   ``auto`` anyway). Reported so the change in loss noise has an explanation.
 - ``parallel.backend``, ``parallel.data_parallel_wrapper``: transport and wrapper (one choice today).
+- ``parallel.expert_parallel_size``: which rank holds which expert. A checkpoint stores each
+  stacked expert tensor once at its global shape [E, ...] (DCP records every shard's offset), so a
+  run saved at EP 2 resumes at EP 1 or 4 in a world of the same size (tested) and its gradient
+  is the same function of the weights.
 - ``loss.*`` except ``loss.type``: the policy loss's hyperparameters (like the optimizer's); a
   change of ``loss.type`` itself is refused (another objective, another run).
 - ``rl.*`` except ``rl.prompts`` and ``rl.prompts_per_step`` (refused: the saved position of the
@@ -104,6 +108,7 @@ _ALLOWED_KEYS = {
     "train.eval_samples": "what is evaluated, not what is trained",
     "parallel.backend": "the collective transport",
     "parallel.data_parallel_wrapper": "the data-parallel wrapper",
+    "parallel.expert_parallel_size": "where experts live; checkpoints hold every expert once, by global index",
 }
 _REFUSED_SECTIONS = {"model.": "the model's architecture or weights"}
 _ALLOWED_SECTIONS = {

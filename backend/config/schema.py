@@ -154,6 +154,12 @@ class ModelConfig:
 class ParallelConfig:
     # Context-parallel size: each sequence is cut into 2*cp chunks, two per CP rank.
     context_parallel_size: int = 1
+    # Expert-parallel size (MoE models): each MoE layer's experts are split over groups of this many
+    # consecutive ranks (E / EP experts a rank, never gathered); tokens reach their experts and come
+    # back by all-to-all. Expert weights are FSDP2-sharded over the world / EP ranks holding the same
+    # experts; everything else stays FSDP2 over the whole data x context parallel world. An EP group
+    # may span CP ranks (tokens are tokens). Must divide the world size and model.num_moe_experts.
+    expert_parallel_size: int = 1
     # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group.
     data_parallel_wrapper: str = "fsdp"
     # Process-group backend: "auto" is nccl on CUDA, gloo on CPU.

@@ -48,3 +48,37 @@ def all_gather_tensors(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return parts
+
+
+def all_to_all_counts(send: torch.Tensor, group) -> torch.Tensor:
+    """``send`` [ranks, k] (row r: what goes to rank r) -> [ranks, k] (row r: what rank r sent here).
+
+    Equal splits of k integers a rank; the token counts an uneven ``all_to_all`` is sized by."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks with uneven splits; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        recv_splits, send_splits = ctx.splits
+        out = grad.new_empty(sum(send_splits), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, *, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+    """Send ``send_splits[r]`` consecutive rows of ``x`` to rank r and receive ``recv_splits[r]`` from
+    it, in rank order (differentiable: the gradient of what was received returns to its sender).
+    Every rank's counts may differ: dynamic batching gives each rank its own token count."""
+    return _AllToAll.apply(x, list(recv_splits), list(send_splits), group)

@@ -18,15 +18,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool) -> torch.nn.Module:
+def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> torch.nn.Module:
     """Shard every decoder layer and the whole model over the world. A model on the meta device
-    stays there (its shards get storage with ``to_empty`` afterwards); any other is moved first."""
+    stays there (its shards get storage with ``to_empty`` afterwards); any other is moved first.
+
+    ``expert_modules`` (expert parallelism: their parameters already DTensors over the EP mesh
+    dimension) are sharded first, over ``env.expert_mesh["expert_dp"]``: the ranks that hold the
+    same experts; the layer around them then leaves their parameters alone."""
     if not any(p.is_meta for p in model.parameters()):
         model.to(env.device)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
+    for module in expert_modules:
+        fully_shard(module, mesh=env.expert_mesh["expert_dp"], mp_policy=mp)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # Registered before fully_shard, so it runs before FSDP2's post-forward hook (hooks run in
@@ -53,6 +59,31 @@ def _own_output(_module, _args, output):
     if isinstance(output, torch.Tensor) and output._base is not None:
         return output.clone()
     return output
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The global L2 norm of the gradients, scaling them to ``max_norm`` when above it.
+
+    One mesh (every parameter sharded over the world): torch's ``clip_grad_norm_``, as always.
+    Under expert parallelism the expert gradients live on the (expert_dp, ep) mesh and the rest on
+    the world's, and DTensor refuses to stack norms across meshes: each mesh's norm is completed
+    on its own (a DTensor reduction over its ranks), the squares summed, then every gradient
+    clipped by the one total (torchtitan does the same for its EP parameters)."""
+    grads = [p for p in params if p.grad is not None]
+    meshes: dict = {}
+    for p in grads:
+        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    squares = []
+    for group in meshes.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        squares.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
+    total = sum(squares) ** 0.5
+    for group in meshes.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, torch.tensor(total))
+    return total
 
 
 def set_grad_sync(model: torch.nn.Module, enabled: bool) -> None:

@@ -3,6 +3,14 @@
 Ranks are laid out as megatron-core does with tensor and pipeline parallel size 1: the context-
 parallel rank varies fastest, so rank = dp_rank * cp + cp_rank. Gradients are reduced over the
 whole data x context parallel group (CP ranks hold different tokens of the same sequences).
+
+Expert parallelism (EP) cuts the same world another way: EP groups are blocks of ``ep``
+consecutive ranks (ep_rank = rank % ep; at cp 2 and ep 2 an EP group is a CP pair, at dp 2 x cp 2
+and ep 4 the whole world). ``expert_mesh`` is the 2-D mesh (expert_dp, ep) = (world / ep, ep):
+its "ep" dimension places the experts, its "expert_dp" dimension holds the ranks that own the same
+experts, over which FSDP2 shards (and reduce-scatters) those experts' weights, as torchtitan's
+``dp_shard_mod_ep``. megatron-core's own expert parallel size stays 1: its allgather dispatcher
+sees every expert and our experts module does the exchange (``model.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ class ParallelEnv:
     cp_size: int
     device: torch.device
     cp_group: object  # None when cp_size == 1
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: object = None  # None when ep_size == 1
+    expert_mesh: object = None  # DeviceMesh (expert_dp, ep) when ep_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -46,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600.0) -> ParallelEnv:
+def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600.0, *, ep_size: int = 1) -> ParallelEnv:
     """Join (or, run without torchrun, form a one-process) world and build the parallel groups."""
     if "RANK" not in os.environ:  # a plain `python -m backend.train`: a world of one on loopback
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -82,7 +94,21 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
     )
     if env.dp_rank * env.cp_size + env.cp_rank != env.rank:
         raise RuntimeError(f"unexpected rank layout: rank {env.rank} is dp {env.dp_rank}, cp {env.cp_rank}")
+    if ep_size > 1:
+        if world % ep_size:
+            raise ValueError(f"parallel.expert_parallel_size={ep_size} must divide the world size {world}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+        env.ep_size, env.ep_rank = ep_size, env.rank % ep_size
+        env.ep_group, env.expert_mesh = mesh.get_group("ep"), mesh
     return env
+
+
+def init_from_config(cfg) -> ParallelEnv:
+    """``init_distributed`` with the config's parallel sizes and backend."""
+    p = cfg.parallel
+    return init_distributed(p.context_parallel_size, p.backend, ep_size=p.expert_parallel_size)
 
 
 def shutdown_distributed() -> None:

@@ -25,6 +25,7 @@ from backend.distributed.fsdp import wrap_fsdp
 
 from .attention import resolve_backend
 from .builder import build_gpt, model_fields, padded_vocab
+from .expert_parallel import place_experts
 from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
@@ -109,7 +110,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         _check_no_buffers(model)
         num_parameters = sum(p.numel() for p in model.parameters())
         apply_recompute(model, m.recompute_granularity)
-        model = wrap_fsdp(model, env, bf16=bf16)
+        model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         model.to_empty(device=env.device)
         if empty:
             source = "uninitialised (to be loaded by the caller)"
@@ -130,7 +131,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         )
         num_parameters = sum(p.numel() for p in model.parameters())
         apply_recompute(model, m.recompute_granularity)
-        model = wrap_fsdp(model, env, bf16=bf16)
+        model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         source = f"initialised from train.seed={cfg.train.seed}"
     _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)
     if env.is_main:

@@ -24,7 +24,8 @@ Hugging Face GPT-OSS's own layout up to the gate/up interleave:
 The math is megatron-core ``MLP.forward`` for an expert with biases, unfused: ``h = x W1 + b1``;
 ``g, u = chunk(h)``; clamp ``g <= L`` and ``-L <= u <= L``; ``a = act(g) * (u + offset)``;
 ``a *= p`` (the token's routing probability); ``y = a W2 + b2 * p``. FSDP2 shards the stacks along
-the expert dimension.
+the expert dimension; under expert parallelism (``expert_parallel``) a rank holds E / EP of them
+and ``exchange`` sends it the tokens of the whole EP group that its experts serve.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def padded_groups(counts: list[int], align: int) -> tuple[list[int], list[int]]:
     return padded, dest
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under expert parallelism FSDP2's unsharded parameter is a DTensor over
+    the EP mesh dimension (its local part is E / EP experts, differentiably)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 @functools.cache
 def grouped_experts_class() -> type:
     """The experts module (a ``MegatronModule``, built once per process)."""
@@ -102,7 +109,9 @@ def grouped_experts_class() -> type:
             super().__init__(config=config)
             e, h, i = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size
             dtype = config.params_dtype
-            self.num_local_experts = e
+            self.num_local_experts = e  # megatron-core's dispatcher sees all E (its EP size is 1)
+            self.experts_per_rank = e  # E / EP once ``expert_parallel.place_experts`` ran
+            self.exchange = None  # expert parallelism: tokens to their experts' ranks and back
             self.fc1_weight = torch.nn.Parameter(torch.empty(e, h, 2 * i, dtype=dtype))
             self.fc1_bias = torch.nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype))
             self.fc2_weight = torch.nn.Parameter(torch.empty(e, i, h, dtype=dtype))
@@ -114,8 +123,14 @@ def grouped_experts_class() -> type:
                         config.output_layer_init_method(self.fc2_weight[k])
 
         def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+            if self.exchange is not None:
+                return self.exchange(tokens, tokens_per_expert, probs, self._local_forward), None
+            return self._local_forward(tokens, tokens_per_expert, probs), None
+
+        def _local_forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+            """This rank's experts on rows sorted by expert (``tokens_per_expert[e]`` for its e-th)."""
             counts = [int(c) for c in tokens_per_expert.tolist()]
-            align = group_alignment(tokens, self.fc1_weight)
+            align = group_alignment(tokens, _local(self.fc1_weight))
             dest = None
             if align > 1:  # pad every group with zero rows (probability 0: they add nothing)
                 counts, rows = padded_groups(counts, align)
@@ -123,7 +138,7 @@ def grouped_experts_class() -> type:
                 tokens = tokens.new_zeros(sum(counts), tokens.shape[1]).index_copy(0, dest, tokens)
                 probs = probs.new_zeros(sum(counts)).index_copy(0, dest, probs)
             out = self._experts(tokens, counts, probs)
-            return (out if dest is None else out.index_select(0, dest)), None
+            return out if dest is None else out.index_select(0, dest)
 
         def _experts(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
             offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(tokens.device)
@@ -133,7 +148,8 @@ def grouped_experts_class() -> type:
                 output_size=sum(counts),
             )
             dtype = tokens.dtype
-            h = grouped_linear(tokens, self.fc1_weight, counts, offsets) + self.fc1_bias[expert_of]
+            w1, b1, w2, b2 = (_local(p) for p in (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias))
+            h = grouped_linear(tokens, w1, counts, offsets) + b1[expert_of]
             gate, up = torch.chunk(h, 2, dim=-1)
             limit = self.config.activation_func_clamp_value
             if limit is not None:
@@ -142,8 +158,8 @@ def grouped_experts_class() -> type:
             act = self.config.activation_func(gate) * (up + self.config.glu_linear_offset)
             scale = probs.unsqueeze(-1)
             act = (act * scale).to(dtype)
-            out = grouped_linear(act, self.fc2_weight, counts, offsets)
-            return out + (self.fc2_bias[expert_of] * scale).to(dtype)
+            out = grouped_linear(act, w2, counts, offsets)
+            return out + (b2[expert_of] * scale).to(dtype)
 
         def backward_dw(self):  # megatron-core's delayed weight-gradient hook: nothing is delayed here
             return None

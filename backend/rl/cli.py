@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
     def run() -> int:
-        from backend.distributed.setup import init_distributed, shutdown_distributed
+        from backend.distributed.setup import init_from_config, shutdown_distributed
         from backend.logging.wandb_run import start_wandb
 
         from .loop import GRPOLoop
         from .worker import PolicyWorker
 
         check_loop_config(cfg)  # the loop's own keys, before minutes of model building
-        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        env = init_from_config(cfg)
         worker = critic = None
         try:
             worker = PolicyWorker.from_config(args.config, args.overrides, env=env)

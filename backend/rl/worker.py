@@ -40,7 +40,7 @@ from backend.data.row_fields import PASS_THROUGH, row_fields
 from backend.data.sample import POLICY_FIELDS
 from backend.distributed.collectives import all_gather_objects
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
-from backend.distributed.setup import init_distributed, shutdown_distributed
+from backend.distributed.setup import init_from_config, shutdown_distributed
 from backend.errors import UserError
 from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
@@ -127,7 +127,7 @@ class TrainerWorker:
         cls.check_config(cfg)
         owns = env is None and not dist.is_initialized()
         if env is None:
-            env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+            env = init_from_config(cfg)
         try:
             trainer = Trainer(cfg, env, from_memory=True)
         except BaseException:

@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines drown the progress
-    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.distributed.setup import init_from_config, shutdown_distributed
     from backend.logging.wandb_run import start_wandb
     from backend.train.trainer import Trainer
 
     def run() -> int:
-        env = init_distributed(cfg.parallel.context_parallel_size, cfg.parallel.backend)
+        env = init_from_config(cfg)
         try:
             trainer = Trainer(cfg, env)
             wandb_run = start_wandb(cfg, env, run_id=trainer.wandb_run_id)

@@ -27,7 +27,7 @@ import torch
 from backend.data.collate import MicrobatchTensors
 from backend.data.iterator import StepData
 from backend.distributed.collectives import dist_sum
-from backend.distributed.fsdp import set_grad_sync
+from backend.distributed.fsdp import clip_grad_norm, set_grad_sync
 from backend.loss.cross_entropy import weighted_token_sum, window_normaliser
 from backend.loss.policy import WindowStats, policy_token_terms, token_scale
 from backend.loss.value import ValueStats, value_token_terms
@@ -265,8 +265,7 @@ def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_h
 def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int) -> dict:
     """Clip, check and apply the accumulated gradient; returns grad_norm and the lr used."""
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(
