@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no config.yaml found beside {step_dir}; pass --config RUN/config.yaml", file=sys.stderr)
         return 2
     try:
-        cfg = validate(load_config(config, [*args.overrides, "parallel.context_parallel_size=1", "parallel.expert_parallel_size=1"]), world_size=1)
+        cfg = validate(
+            load_config(
+                config, [*args.overrides, "parallel.context_parallel_size=1", "parallel.expert_parallel_size=1"]
+            ),
+            world_size=1,
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

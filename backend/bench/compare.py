@@ -18,15 +18,31 @@ from pathlib import Path
 import torch
 
 from backend.distributed.collectives import dist_max
+from backend.distributed.fsdp import full_tensor
 from backend.distributed.launch import torchrun_command
 
 
 def _full_flat(tensors) -> torch.Tensor:
     parts = []
     for t in tensors:
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = full_tensor(t)
         parts.append(t.detach().reshape(-1).double().cpu())
     return torch.cat(parts)
+
+
+def _watch_experts_held(model) -> dict:
+    """The experts a rank computes with, read at each MoE layer's forward (FSDP2 has unsharded its
+    parameters by then): all E at EP 1, E / EP under expert parallelism."""
+    held: dict = {}
+
+    def hook(module, _args):
+        weight = module.fc1_weight
+        held["experts"] = int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+
+    for module in model.modules():
+        if hasattr(module, "experts_per_rank"):
+            module.register_forward_pre_hook(hook)
+    return held
 
 
 def worker(argv: list[str]) -> int:
@@ -56,6 +72,7 @@ def worker(argv: list[str]) -> int:
             "num_microbatches": [],
             "padding_efficiency": [],
         }
+        held = _watch_experts_held(trainer.model)
         peak = 0
         for _ in range(int(steps)):
             trainer.step += 1
@@ -94,6 +111,8 @@ def worker(argv: list[str]) -> int:
         record["params"] = _full_flat(params)
         record["peak_memory_bytes"] = int(dist_max(peak, env.device))
         record["world_size"] = env.world_size
+        record["expert_parallel_size"] = env.ep_size
+        record["experts_per_rank"] = held.get("experts")
         if env.is_main:
             torch.save(record, out)
     finally:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from backend.data.tokenizers import build_tokenizer
+from backend.distributed.fsdp import full_tensor
 from backend.model.factory import build_model
 from backend.model.hf.export import export_hf_dir
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked for)."""
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+        yield name, full_tensor(t) if isinstance(t, torch.Tensor) else t
 
 
 def _tokenizer_source(cfg) -> Path | None:

@@ -17,6 +17,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .collectives import dist_sum
+
 
 def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> torch.nn.Module:
     """Shard every decoder layer and the whole model over the world. A model on the meta device
@@ -66,24 +68,41 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
     One mesh (every parameter sharded over the world): torch's ``clip_grad_norm_``, as always.
     Under expert parallelism the expert gradients live on the (expert_dp, ep) mesh and the rest on
-    the world's, and DTensor refuses to stack norms across meshes: each mesh's norm is completed
-    on its own (a DTensor reduction over its ranks), the squares summed, then every gradient
-    clipped by the one total (torchtitan does the same for its EP parameters)."""
-    grads = [p for p in params if p.grad is not None]
-    meshes: dict = {}
-    for p in grads:
-        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    if len(meshes) <= 1:
+    the world's, and DTensor refuses to stack norms across meshes. Every FSDP2 shard is disjoint
+    (``Shard`` placements only), so the squared norm is the sum over the world of each rank's local
+    squares: one all-reduce of one number, then every gradient clipped by that total (torchtitan
+    completes each mesh's norm on its own; one sum over the world is the same number in one call)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if len({getattr(g, "device_mesh", None) for g in grads}) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    squares = []
-    for group in meshes.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        squares.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
-    total = sum(squares) ** 0.5
-    for group in meshes.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, torch.tensor(total))
+    local = []
+    for g in grads:
+        if any(p.is_replicate() or p.is_partial() for p in getattr(g, "placements", ())):
+            raise RuntimeError(f"gradient with placements {g.placements}: only sharded (FSDP2) gradients are expected")
+        local.append(g.to_local() if hasattr(g, "to_local") else g)
+    square = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in local]).sum()
+    total = float(dist_sum(square.reshape(1)).sqrt())
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        torch._foreach_mul_(local, coef)
     return total
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter, on every rank (a collective for a DTensor).
+
+    A 2-D placement (an expert-parallel stack: FSDP2's shard over expert_dp inside the EP shard) is
+    gathered one mesh dimension at a time: ``DTensor.full_tensor`` does the same two all-gathers
+    but warns on every call that it could not merge them (once per expert tensor of an export)."""
+    if not hasattr(t, "placements"):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    for i, placement in enumerate(t.placements):
+        if not placement.is_replicate():
+            t = t.redistribute(placements=[*t.placements[:i], Replicate(), *t.placements[i + 1 :]])
+    return t.to_local()
 
 
 def set_grad_sync(model: torch.nn.Module, enabled: bool) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend.checkpoint.hf_export import full_named_tensors
 from backend.model.hf.export import DTYPES, hf_tensors
 
 
@@ -37,11 +38,6 @@ def _meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t  # _extra_state entries (None) are dropped by hf_tensors
 
 
-def _full(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
-
-
 def weight_metadata(model: torch.nn.Module, fields: dict, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(HF name, dtype, shape) of every tensor ``hf_weights`` yields, in its order; no collective."""
     torch_dtype = export_dtype(dtype, model)
@@ -52,4 +48,4 @@ def hf_weights(
     model: torch.nn.Module, fields: dict, dtype=None, *, device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) one parameter at a time, on ``device``, cast to ``dtype``."""
-    yield from hf_tensors(_full(model), fields, dtype=export_dtype(dtype, model), device=device)
+    yield from hf_tensors(full_named_tensors(model), fields, dtype=export_dtype(dtype, model), device=device)

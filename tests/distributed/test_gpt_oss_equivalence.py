@@ -5,6 +5,10 @@ positions, router counts all-reduced over the CP group).
 
 The aux loss is per sample and normalised per window (backend.model.moe_stats), so the plan does
 not change it; the router statistics (tokens per expert, aux loss) agree too.
+
+Expert parallelism (``parallel.expert_parallel_size``) trains the same model: EP 2 against EP 1
+under fixed, padded and packed plans at dp 2, EP 2 over a CP pair (dp 1 x cp 2), and on 4 ranks
+(dp 2 x cp 2) EP 4 padded and EP 2 packed against EP 1 of the same plan.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ def arms(tmp_path_factory, embedded_cache):
     packed = dynamic + ["train.dynamic_batch_layout=packed"]
     cp2 = ["parallel.context_parallel_size=2"]
 
-    def arm(name, overrides):
-        return run_arm(HF_TINY, overrides, nproc=2, steps=STEPS, out_dir=out, name=name)
+    def ep(size):
+        return [f"parallel.expert_parallel_size={size}"]
+
+    def arm(name, overrides, nproc=2):
+        return run_arm(HF_TINY, overrides, nproc=nproc, steps=STEPS, out_dir=out, name=name)
 
     return {
         "fixed": arm("fixed_dp2", fixed),
@@ -48,6 +55,14 @@ def arms(tmp_path_factory, embedded_cache):
         "packed": arm("packed_dp2", packed),
         "dynamic_cp2": arm("dynamic_cp2", dynamic + cp2),
         "packed_cp2": arm("packed_cp2", packed + cp2),
+        "fixed_ep2": arm("fixed_dp2_ep2", fixed + ep(2)),
+        "dynamic_ep2": arm("dynamic_dp2_ep2", dynamic + ep(2)),
+        "packed_ep2": arm("packed_dp2_ep2", packed + ep(2)),
+        "packed_cp2_ep2": arm("packed_cp2_ep2", packed + cp2 + ep(2)),
+        "dynamic_dp2cp2": arm("dynamic_dp2cp2", dynamic + cp2, nproc=4),
+        "dynamic_dp2cp2_ep4": arm("dynamic_dp2cp2_ep4", dynamic + cp2 + ep(4), nproc=4),
+        "packed_dp2cp2": arm("packed_dp2cp2", packed + cp2, nproc=4),
+        "packed_dp2cp2_ep2": arm("packed_dp2cp2_ep2", packed + cp2 + ep(2), nproc=4),
     }
 
 
@@ -83,3 +98,30 @@ def test_context_parallel_gives_the_same_moe_training(arms, name):
     loss and gradient bounds are the dp 2 ones."""
     assert arms[name]["world_size"] == 2
     _assert_same_moe_training(arms, name, param_tol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "ref,name",
+    [
+        ("fixed", "fixed_ep2"),
+        ("dynamic", "dynamic_ep2"),
+        ("packed", "packed_ep2"),
+        ("packed_cp2", "packed_cp2_ep2"),
+        ("dynamic_dp2cp2", "dynamic_dp2cp2_ep4"),
+        ("packed_dp2cp2", "packed_dp2cp2_ep2"),
+    ],
+)
+def test_expert_parallel_trains_like_ep1(arms, ref, name):
+    """Tokens travel to their experts' ranks and back (all-to-all, each rank its own token count);
+    the same plan at EP 1 is the reference: loss within 1e-6 relative, gradient cosine >= 0.999999,
+    router statistics within 1e-6. The EP arm's experts really were split (experts_per_rank)."""
+    result = compare(arms[ref], arms[name])
+    print(ref, "->", name, {k: result[k] for k in ("loss_rel_diff", "grad_cosine", "max_param_diff")})
+    assert arms[name]["experts_per_rank"] == 4 // arms[name]["expert_parallel_size"] < 4
+    assert arms[ref]["experts_per_rank"] == 4
+    assert result["loss_rel_diff"] <= 1e-6, result
+    assert result["grad_cosine"] >= 0.999999, result
+    assert result["max_param_diff"] <= 2e-5, result
+    for key in ("moe_aux_loss", "moe_tokens_per_expert_max_over_mean"):
+        a, b = arms[ref][key], arms[name][key]
+        assert all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b, strict=True)), (key, a, b)

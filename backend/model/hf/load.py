@@ -67,11 +67,12 @@ def _is_dtensor(param) -> bool:
 
 def _local_rows(param) -> tuple[int, int] | None:
     """(start, stop) rows of this rank's shard when the parameter is sharded on dim 0 only."""
-    from torch.distributed.tensor import Replicate, Shard
 
     if not _is_dtensor(param):
         return None
-    if any(not isinstance(p, Shard | Replicate) or (isinstance(p, Shard) and p.dim != 0) for p in param.placements):
+    # FSDP2's Shard(0), or its _StridedShard(0) over experts already split by expert parallelism
+    # (both keep a contiguous block of rows; compute_local_shape_and_global_offset knows where).
+    if any(p.is_partial() or (not p.is_replicate() and getattr(p, "dim", None) != 0) for p in param.placements):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
