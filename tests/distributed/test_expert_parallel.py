@@ -1,0 +1,206 @@
+"""Expert parallelism on 2 gloo ranks (EP 2) against EP 1 and against transformers.
+
+- Import: a tiny GPT-OSS (4 experts, top 2) built at EP 2 from its HF directory, dense and MXFP4:
+  each rank reads only its 2 experts' rows (the reads are recorded), computes with 2 of the 4
+  (read at the layer's forward, after FSDP2 unshards), and gives transformers' log-probabilities.
+- Export: the (HF name, tensor) stream at EP 2 is bitwise the stream at EP 1 of the same weights,
+  for the imported weights and for a checkpoint trained at EP 2 (against ``tools/export_hf.py``'s
+  files, written by one process at EP 1).
+- Checkpoints: a run at EP 2 stopped after step 2 and resumed gives steps 3-4 bitwise; the same
+  checkpoint resumed at EP 1 (the experts regathered by DCP's global offsets) continues within
+  FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from backend.distributed.launch import torchrun_command
+from tests.conftest import REPO
+from tests.helpers.subprocess_env import subprocess_env
+
+from .harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+HF_TINY = str(REPO / "tests" / "configs" / "hf_tiny.yaml")
+EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _experts_held(model) -> dict:
+    held: dict = {}
+
+    def hook(module, _args):
+        w = module.fc1_weight
+        held[id(module)] = int((w.to_local() if hasattr(w, "to_local") else w).shape[0])
+
+    for module in model.modules():
+        if hasattr(module, "experts_per_rank"):
+            module.register_forward_pre_hook(hook)
+    return held
+
+
+def import_at_ep(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid: torch.Tensor, step_dir: str):
+    from backend.checkpoint.hf_export import full_named_tensors
+    from backend.checkpoint.store import load_model_weights
+    from backend.distributed.setup import init_distributed
+    from backend.model.hf.export import hf_tensors
+    from backend.model.hf.safetensors_io import HFCheckpoint
+    from tests.helpers.hf_tiny import build_from_hf, our_logits
+
+    reads: list = []
+    get, get_rows = HFCheckpoint.get, HFCheckpoint.get_rows
+
+    def recorded_get(self, name):
+        reads.append((name, None))
+        return get(self, name)
+
+    def recorded_rows(self, name, start, stop):
+        reads.append((name, (start, stop)))
+        return get_rows(self, name, start, stop)
+
+    HFCheckpoint.get, HFCheckpoint.get_rows = recorded_get, recorded_rows
+    envs = {1: init_distributed(1), 2: init_distributed(1, ep_size=2)}
+    out: dict = {}
+    for kind, hf_dir in dirs.items():
+        for ep, env in envs.items():
+            reads.clear()
+            built = build_from_hf(hf_dir, env)
+            held = _experts_held(built.model)
+            logits = our_logits(built.model, tokens, valid)
+            stream = {n: t.clone() for n, t in hf_tensors(full_named_tensors(built.model), built.fields, dtype="fp32")}
+            out[(kind, ep)] = {
+                "logprobs": torch.log_softmax(logits.double(), -1),
+                "held": sorted(set(held.values())),
+                "expert_reads": [(n, rows) for n, rows in reads if ".mlp.experts." in n],
+                "stream": stream,
+            }
+            if kind == "gpt_oss" and step_dir:
+                load_model_weights(built.model, step_dir)
+                out[("trained", ep)] = {
+                    n: t.clone() for n, t in hf_tensors(full_named_tensors(built.model), built.fields, dtype="fp32")
+                }
+    return out
+
+
+def _run(cmd, timeout=600):
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=subprocess_env(OMP_NUM_THREADS="1")
+    )
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _train(run_dir, hf_dir, cache, *extra):
+    return _run(
+        torchrun_command(
+            2,
+            "-m",
+            "backend.train",
+            HF_TINY,
+            f"model.hf_checkpoint={hf_dir}",
+            "model.moe_aux_loss_coeff=0.9",
+            "data.path=embedded",
+            f"data.cache_dir={cache}",
+            "data.tokenizer=byte",
+            "data.overlong=truncate",
+            "checkpoint.interval=2",
+            "optimizer.clip_grad=0.5",  # clipped by the norm over both meshes (experts and the rest)
+            f"logger.run_dir={run_dir}",
+            *extra,
+        )
+    )
+
+
+def _steps(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_cache):
+    """A tiny GPT-OSS fine-tuned 4 steps at EP 2 (checkpoints at 2 and 4)."""
+    from tests.helpers.hf_tiny import tiny_gpt_oss_model, write_mxfp4_copy
+
+    root = tmp_path_factory.mktemp("ep")
+    hf = tiny_gpt_oss_model(root / "dense")
+    write_mxfp4_copy(root / "dense", root / "mxfp4")
+    run = root / "run"
+    _train(run, root / "dense", embedded_cache, "train.train_iters=4", "parallel.expert_parallel_size=2")
+    return {"root": root, "hf": hf, "run": run, "cache": embedded_cache}
+
+
+def _resume_copy(trained, name):
+    """The run as it stood after step 2 (its step-4 checkpoint and rows removed)."""
+    run = trained["root"] / name
+    shutil.copytree(trained["run"], run)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if json.loads(line).get("step", 0) <= 2]
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in rows))
+    config = (run / "config.yaml").read_text().replace(str(trained["run"]), str(run))
+    (run / "config.yaml").write_text(config)
+    return run
+
+
+def test_resume_at_ep2_is_bitwise_and_ep1_continues_it(trained):
+    full = _steps(trained["run"])
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    same = _resume_copy(trained, "resume_ep2")
+    _train(same, trained["root"] / "dense", trained["cache"], "train.train_iters=4", "parallel.expert_parallel_size=2")
+    resumed = _steps(same)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_tokens_per_expert_max_over_mean"):
+        assert [r[key] for r in resumed] == [r[key] for r in full], key  # bitwise
+    other = _resume_copy(trained, "resume_ep1")
+    proc = _train(
+        other, trained["root"] / "dense", trained["cache"], "train.train_iters=4", "parallel.expert_parallel_size=1"
+    )
+    assert "parallel.expert_parallel_size: 2 -> 1" in proc.stdout + proc.stderr
+    continued = _steps(other)
+    for a, b in zip(full[2:], continued[2:], strict=True):
+        print("EP 2 -> EP 1 resume", a["step"], a["loss"], b["loss"], a["grad_norm"], b["grad_norm"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+
+
+def test_ep2_import_export_and_logprobs(tmp_path, trained):
+    """Import, log-probabilities and export at EP 2 against EP 1, transformers and export_hf."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.hf_tiny import hf_logits, right_padded_batch
+
+    root = trained["root"]
+    step_dir = trained["run"] / "checkpoints" / "step_00000004"
+    exported = tmp_path / "exported"
+    _run([sys.executable, "tools/export_hf.py", str(step_dir), "--output", str(exported), "--dtype", "fp32"])
+    files = {}
+    for f in exported.glob("*.safetensors"):
+        files.update(load_file(f))
+
+    tokens, valid = right_padded_batch()
+    dirs = {"gpt_oss": str(root / "dense"), "gpt_oss_mxfp4": str(root / "mxfp4")}
+    results = run_ranks(import_at_ep, 2, tmp_path, dirs, tokens, valid, str(step_dir))
+    ref = torch.log_softmax(hf_logits(trained["hf"], tokens, valid).double(), -1)
+    for rank, r in enumerate(results):
+        diff = float((r[("gpt_oss", 2)]["logprobs"] - ref)[valid].abs().max())
+        print(f"rank {rank}: EP 2 max |logprob diff| vs transformers = {diff:.3g}")
+        assert diff <= 1e-5
+        for kind in dirs:
+            assert r[(kind, 1)]["held"] == [4] and r[(kind, 2)]["held"] == [2]  # 1/EP of the experts
+            # every expert tensor read is this rank's two experts' rows, never the whole stack
+            reads = r[(kind, 2)]["expert_reads"]
+            assert reads and all(rows == (2 * rank, 2 * rank + 2) for _, rows in reads), reads
+            assert {"down_proj_bias", "gate_up_proj_bias"} <= {n.rsplit(".", 1)[-1] for n, _ in reads}
+            a, b = r[(kind, 1)]["stream"], r[(kind, 2)]["stream"]
+            assert list(a) == list(b) and all(torch.equal(a[n], b[n]) for n in a)
+        for layer, hf_layer in enumerate(trained["hf"].model.layers):  # the dense import exports its own file
+            name = f"model.layers.{layer}.mlp.experts.down_proj"
+            assert torch.equal(r[("gpt_oss", 2)]["stream"][name], hf_layer.mlp.experts.down_proj.detach())
+        trained_ep1, trained_ep2 = r[("trained", 1)], r[("trained", 2)]
+        assert set(trained_ep2) == set(files)
+        assert all(torch.equal(trained_ep2[n], files[n]) and torch.equal(trained_ep1[n], files[n]) for n in files)
