@@ -32,6 +32,8 @@ import torch
 
 from backend.distributed.collectives import all_to_all_counts, all_to_all_rows
 
+from .moe_stats import stats_of
+
 #: The stacked per-expert parameters of ``GroupedExperts`` (dim 0 is the expert).
 EXPERT_PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
 
@@ -100,4 +102,7 @@ def place_experts(model: torch.nn.Module, env) -> list[torch.nn.Module]:
             setattr(module, name, torch.nn.Parameter(shard, requires_grad=full.requires_grad))
         module.experts_per_rank = el
         module.exchange = functools.partial(exchange_and_run, group=env.ep_group, ep=env.ep_size)
+    stats = stats_of(model)
+    if stats is not None:
+        stats.ep_size = env.ep_size
     return modules

@@ -28,7 +28,10 @@ to each microbatch's loss and calls ``window_metrics`` at the end of the window:
 - ``moe_aux_loss``: the window's per-sample switch loss averaged over samples and layers
   (1.0 = perfectly balanced; without the coefficient);
 - ``moe_tokens_per_expert_max_over_mean``: max over layers of max_e / mean_e of the routed token
-  counts of the window (all ranks; 1.0 = balanced).
+  counts of the window (all ranks; 1.0 = balanced);
+- ``moe_ep_tokens_max_over_mean`` (expert parallelism only): the same over EP ranks, each rank's
+  experts' tokens summed: the busiest rank's expert work against the mean (the slowest rank sets
+  the layer's time; 1.0 = balanced, EP at most).
 
 Expert capacity is not set (no token is dropped), so there is no dropped-token metric.
 """
@@ -49,6 +52,8 @@ class MoEStats:
     coeff: float
     topk: int
     num_experts: int
+    ep_size: int = 1  # expert parallelism: experts [j E/EP, (j + 1) E/EP) live on EP rank j
+    worst_case: bool = False  # the memory probe's routing: every token to EP rank 0's experts
     current: tuple | None = None  # (valid [s*b] bool, group [s*b] int64, groups, cp_group) during a routed forward
     mb_aux: torch.Tensor | None = None  # sum over this microbatch's samples and layers of coeff * L_s
     counts: torch.Tensor | None = None  # [layers, E] float64 routed tokens of this rank in the window
@@ -90,6 +95,30 @@ def _layer_stats(stats: MoEStats, router, logits: torch.Tensor, routing_map: tor
         stats.mb_aux = term if stats.mb_aux is None else stats.mb_aux + term
 
 
+def _to_first_rank(probs: torch.Tensor, routing_map: torch.Tensor, stats: MoEStats):
+    """The memory probe's routing under expert parallelism: every token's k experts are the first
+    k (EP rank 0's, as many as it has; the rest on the next ranks), so rank 0 receives
+    EP x tokens x min(k, E / EP) rows, the most any routing can send it."""
+    chosen = torch.zeros_like(routing_map)
+    chosen[:, : stats.topk] = True
+    return chosen.to(probs.dtype) / stats.topk, chosen
+
+
+@contextlib.contextmanager
+def worst_case_routing(model):
+    """Within: every routed token goes to EP rank 0's experts (``_to_first_rank``); a no-op at EP 1,
+    where the expert rows are tokens x k whatever the routing."""
+    stats = stats_of(model)
+    if stats is None or stats.ep_size == 1:
+        yield
+        return
+    stats.worst_case = True
+    try:
+        yield
+    finally:
+        stats.worst_case = False
+
+
 def _routing(router, original, stats: MoEStats, logits: torch.Tensor, padding_mask=None):
     """megatron-core's routing, then padding (and placeholder samples) sent to no expert: the
     dispatcher gathers only routed tokens, so they cost no expert FLOPs and reach no expert's
@@ -99,6 +128,8 @@ def _routing(router, original, stats: MoEStats, logits: torch.Tensor, padding_ma
     if stats.current is not None:
         if router.training:
             _layer_stats(stats, router, logits, routing_map)
+        if stats.worst_case:
+            probs, routing_map = _to_first_rank(probs, routing_map, stats)
         keep = stats.current[0][:, None]  # [s*b, 1], megatron-core's token order
         routing_map = routing_map & keep
         probs = probs * keep
@@ -189,7 +220,13 @@ def window_metrics(model, num_samples: int, group=None) -> dict:
         dist.all_reduce(packed, group=group)
     counts, aux = packed[:-1].view(layers, e), float(packed[-1])
     mean = counts.mean(-1).clamp(min=1e-12)
-    return {
+    out = {
         "moe_aux_loss": aux / max(1, num_samples) / layers,
         "moe_tokens_per_expert_max_over_mean": float((counts.max(-1).values / mean).max()),
     }
+    if stats.ep_size > 1:
+        per_rank = counts.view(layers, stats.ep_size, e // stats.ep_size).sum(-1)
+        out["moe_ep_tokens_max_over_mean"] = float(
+            (per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-12)).max()
+        )
+    return out

@@ -11,6 +11,13 @@ meter of ``memory_meter``; then gradients are dropped and the optimizer state is
 ``backend.batching.memory_fit`` and the budget resolved there, agreed across ranks by the
 minimum. On CUDA the peaks are scaled by the worst reserved / allocated ratio seen (fragmentation).
 
+Mixture of experts under expert parallelism: a rank's expert rows depend on where every rank's
+tokens are routed (its experts may receive every token of the EP group). Each probe routes every
+token of every rank to EP rank 0's experts (``moe_stats.worst_case_routing``), so rank 0 computes
+EP x tokens x min(k, E / EP) expert rows, the most any routing can give it; every rank then fits
+the worst rank's peaks, so the budget holds for any routing. At EP 1 the expert rows are tokens x
+k whatever the routing and nothing changes.
+
 Why these shapes: tokens and attention area must vary independently for the fit to separate b
 from c, and the longest sequence must be measured, not extrapolated, because it is the one that
 decides whether the run can start at all.
@@ -32,6 +39,7 @@ from backend.data.iterator import StepData, collate_plan
 from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
 from backend.distributed.collectives import dist_max, dist_max_tensor
+from backend.model import moe_stats
 
 from .memory_meter import MemoryMeter, resident_tensors
 from .step import forward_backward
@@ -206,7 +214,8 @@ def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter
     smallest rank's limit, so all agree on the budget, or all stop with the same error."""
     start = time.perf_counter()
     meter = meter or MemoryMeter(env.device)
-    points, floor, ratio = run_probes(model, optimizer, cfg, env, meter)
+    with moe_stats.worst_case_routing(model):  # expert parallelism: one rank's experts get every token
+        points, floor, ratio = run_probes(model, optimizer, cfg, env, meter)
     # Every rank fits the worst rank's measurements: one fit, one budget, one decision everywhere.
     worst = torch.tensor([p for _, _, p in points] + [floor, ratio], dtype=torch.float64, device=env.device)
     worst = dist_max_tensor(worst).tolist()

@@ -42,6 +42,23 @@ from .step import train_step
 log = logging.getLogger(__name__)
 
 
+def describe_experts(num_experts: int, env) -> str | None:
+    """The start-up summary's experts line (None for a dense model): how many a rank computes with."""
+    if not num_experts:
+        return None
+    if env.ep_size == 1:
+        return (
+            f"{num_experts} a layer, all gathered on every rank for each layer (FSDP2 over {env.world_size} rank(s); "
+            "parallel.expert_parallel_size splits them)"
+        )
+    groups = [f"{g}-{g + env.ep_size - 1}" for g in range(0, env.world_size, env.ep_size)]
+    return (
+        f"{num_experts} a layer, EP {env.ep_size}: {num_experts // env.ep_size} on each rank (EP groups: ranks "
+        f"{', '.join(groups)}), tokens sent to them by all-to-all; each rank's experts FSDP2-sharded over "
+        f"{env.world_size // env.ep_size} rank(s)"
+    )
+
+
 def describe_loss(loss) -> str:
     """The start-up summary's loss line: ``cross_entropy`` or the policy loss's settings."""
     if loss.type != "policy":
@@ -290,6 +307,7 @@ class Trainer:
             "dp": env.dp_size,
             "cp": env.cp_size,
             "world_size": env.world_size,
+            "experts": describe_experts(cfg.model.num_moe_experts, env),
             "device": env.device.type,
             "precision": cfg.train.precision,
             "attention_backend": self.backend,

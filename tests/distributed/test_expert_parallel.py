@@ -3,6 +3,9 @@
 - Import: a tiny GPT-OSS (4 experts, top 2) built at EP 2 from its HF directory, dense and MXFP4:
   each rank reads only its 2 experts' rows (the reads are recorded), computes with 2 of the 4
   (read at the layer's forward, after FSDP2 unshards), and gives transformers' log-probabilities.
+- The memory probe's routing (``moe_stats.worst_case_routing``) sends every token of both ranks to
+  rank 0's experts (2 x tokens x k rows there, none on rank 1); the model's own routing conserves
+  the rows (each routed row reaches exactly one rank).
 - Export: the (HF name, tensor) stream at EP 2 is bitwise the stream at EP 1 of the same weights,
   for the imported weights and for a checkpoint trained at EP 2 (against ``tools/export_hf.py``'s
   files, written by one process at EP 1).
@@ -13,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -81,11 +85,39 @@ def import_at_ep(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid:
                 "expert_reads": [(n, rows) for n, rows in reads if ".mlp.experts." in n],
                 "stream": stream,
             }
+            if kind == "gpt_oss" and ep == 2:
+                out["rows"] = _expert_rows(built.model, tokens, valid)
             if kind == "gpt_oss" and step_dir:
                 load_model_weights(built.model, step_dir)
                 out[("trained", ep)] = {
                     n: t.clone() for n, t in hf_tensors(full_named_tensors(built.model), built.fields, dtype="fp32")
                 }
+    return out
+
+
+def _expert_rows(model, tokens, valid) -> dict:
+    """Rows each MoE layer's local experts computed on this rank, with the model's routing and with
+    the memory probe's worst case (every token to EP rank 0's experts)."""
+    from backend.model import moe_stats
+    from tests.helpers.hf_tiny import our_logits
+
+    seen: list = []
+    for module in model.modules():
+        if hasattr(module, "experts_per_rank"):
+            run = module._local_forward
+
+            def counted(x, counts, p, run=run):
+                seen.append(int(counts.sum()))
+                return run(x, counts, p)
+
+            module._local_forward = counted
+    out = {}
+    for name, worst in (("routed", False), ("worst", True)):
+        seen.clear()
+        probe = moe_stats.worst_case_routing(model) if worst else contextlib.nullcontext()
+        with moe_stats.routing_context(model, valid), probe:
+            our_logits(model, tokens, valid)
+        out[name] = list(seen)
     return out
 
 
@@ -201,6 +233,12 @@ def test_ep2_import_export_and_logprobs(tmp_path, trained):
         for layer, hf_layer in enumerate(trained["hf"].model.layers):  # the dense import exports its own file
             name = f"model.layers.{layer}.mlp.experts.down_proj"
             assert torch.equal(r[("gpt_oss", 2)]["stream"][name], hf_layer.mlp.experts.down_proj.detach())
+        # every routed row reaches one rank's experts (2 layers, top 2 of each valid token, both
+        # ranks feeding the same batch); the probe's routing sends all of them to rank 0
+        real = int(valid.sum())
+        routed = [a + b for a, b in zip(results[0]["rows"]["routed"], results[1]["rows"]["routed"], strict=True)]
+        assert routed == [2 * 2 * real] * 2
+        assert r["rows"]["worst"] == ([2 * 2 * real] * 2 if rank == 0 else [0, 0])
         trained_ep1, trained_ep2 = r[("trained", 1)], r[("trained", 2)]
         assert set(trained_ep2) == set(files)
         assert all(torch.equal(trained_ep2[n], files[n]) and torch.equal(trained_ep1[n], files[n]) for n in files)
