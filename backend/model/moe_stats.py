@@ -226,7 +226,5 @@ def window_metrics(model, num_samples: int, group=None) -> dict:
     }
     if stats.ep_size > 1:
         per_rank = counts.view(layers, stats.ep_size, e // stats.ep_size).sum(-1)
-        out["moe_ep_tokens_max_over_mean"] = float(
-            (per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-12)).max()
-        )
+        out["moe_ep_tokens_max_over_mean"] = float((per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-12)).max())
     return out
