@@ -84,6 +84,7 @@ def _arm(args, ep: int, counts: dict) -> dict:
     from backend.distributed.setup import init_distributed
     from backend.model import moe_stats
     from backend.model.builder import token_losses
+    from backend.model.expert_parallel import experts_held
     from backend.model.factory import build_model
 
     env = init_distributed(1, ep_size=ep)
@@ -92,11 +93,7 @@ def _arm(args, ep: int, counts: dict) -> dict:
     held = {}
     for m in model.modules():
         if hasattr(m, "experts_per_rank"):
-            m.register_forward_pre_hook(
-                lambda mod, _a: held.update(
-                    n=int(getattr(mod.fc1_weight, "to_local", lambda: mod.fc1_weight)().shape[0])
-                )
-            )
+            m.register_forward_pre_hook(lambda mod, _a: held.update(n=experts_held(mod)))
     n = int(args.tokens * (1 + env.rank / env.world_size))
     g = torch.Generator().manual_seed(env.rank)
     tokens = torch.randint(0, 256, (1, n), generator=g)

@@ -33,15 +33,12 @@ def _full_flat(tensors) -> torch.Tensor:
 def _watch_experts_held(model) -> dict:
     """The experts a rank computes with, read at each MoE layer's forward (FSDP2 has unsharded its
     parameters by then): all E at EP 1, E / EP under expert parallelism."""
+    from backend.model.expert_parallel import experts_held
+
     held: dict = {}
-
-    def hook(module, _args):
-        weight = module.fc1_weight
-        held["experts"] = int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
-
     for module in model.modules():
         if hasattr(module, "experts_per_rank"):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(lambda m, _args: held.update(experts=experts_held(m)))
     return held
 
 

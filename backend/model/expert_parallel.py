@@ -77,6 +77,13 @@ def exchange_and_run(
     return all_to_all_rows(y.index_select(0, inverse), recv_splits=send_splits, send_splits=recv_splits, group=group)
 
 
+def experts_held(module: torch.nn.Module) -> int:
+    """Experts an experts module computes with on this rank, read from its weight as it is now
+    (inside its forward, after FSDP2 unsharded it): E at EP 1, E / EP under expert parallelism."""
+    weight = module.fc1_weight
+    return int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+
+
 def place_experts(model: torch.nn.Module, env) -> list[torch.nn.Module]:
     """Keep this rank's experts of every MoE layer (a DTensor slice on the EP mesh dimension) and
     give each experts module its exchange; returns the modules (FSDP2 shards each over

@@ -38,15 +38,12 @@ EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_b
 
 
 def _experts_held(model) -> dict:
+    from backend.model.expert_parallel import experts_held
+
     held: dict = {}
-
-    def hook(module, _args):
-        w = module.fc1_weight
-        held[id(module)] = int((w.to_local() if hasattr(w, "to_local") else w).shape[0])
-
     for module in model.modules():
         if hasattr(module, "experts_per_rank"):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(lambda m, _args: held.update({id(m): experts_held(m)}))
     return held
 
 
