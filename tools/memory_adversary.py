@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.bench.memory_adversary import PHASES, format_table, run_phase
     from backend.config import load_config
-    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.distributed.setup import init_from_config, shutdown_distributed
 
     overrides = list(args.overrides)
-    env = init_distributed(load_config(args.config, overrides).parallel.context_parallel_size)
+    env = init_from_config(load_config(args.config, overrides))
     if args.fraction:
         if env.device.type != "cuda":
             print("error: --fraction needs a CUDA device; on CPU give train.memory_limit_gib", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # a config error before any group forms
         env = init_from_config(cfg)
-        cfg = validate(cfg, env.world_size)
         tokenizer = build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)  # the run's vocabulary
         built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size)
         optimizer = build_optimizer(built.model, cfg.optimizer)

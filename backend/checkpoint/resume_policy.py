@@ -40,8 +40,8 @@ Allowed, reported:
 - ``parallel.backend``, ``parallel.data_parallel_wrapper``: transport and wrapper (one choice today).
 - ``parallel.expert_parallel_size``: which rank holds which expert. A checkpoint stores each
   stacked expert tensor once at its global shape [E, ...] (DCP records every shard's offset), so a
-  run saved at EP 2 resumes at EP 1 or 4 in a world of the same size (tested) and its gradient
-  is the same function of the weights.
+  run saved at EP 2 resumes at another EP size in a world of the same size (EP 2 -> 1 tested)
+  and its gradient is the same function of the weights.
 - ``loss.*`` except ``loss.type``: the policy loss's hyperparameters (like the optimizer's); a
   change of ``loss.type`` itself is refused (another objective, another run).
 - ``rl.*`` except ``rl.prompts`` and ``rl.prompts_per_step`` (refused: the saved position of the

@@ -11,6 +11,7 @@ over gloo unchanged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -33,8 +34,11 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> 
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
+    # The experts' inputs are the layer's own tensors (tokens, routing probabilities, counts): cast
+    # nothing, so their dtypes are what they are at EP 1 (a router in FP32 keeps FP32 probabilities).
+    expert_mp = dataclasses.replace(mp, cast_forward_inputs=False)
     for module in expert_modules:
-        fully_shard(module, mesh=env.expert_mesh["expert_dp"], mp_policy=mp)
+        fully_shard(module, mesh=env.expert_mesh["expert_dp"], mp_policy=expert_mp)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # Registered before fully_shard, so it runs before FSDP2's post-forward hook (hooks run in
@@ -78,7 +82,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     local = []
     for g in grads:
-        if any(p.is_replicate() or p.is_partial() for p in getattr(g, "placements", ())):
+        if not hasattr(g, "placements"):
+            raise RuntimeError("a plain-tensor gradient beside sharded ones: its square would be counted once per rank")
+        if any(p.is_replicate() or p.is_partial() for p in g.placements):
             raise RuntimeError(f"gradient with placements {g.placements}: only sharded (FSDP2) gradients are expected")
         local.append(g.to_local() if hasattr(g, "to_local") else g)
     square = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in local]).sum()

@@ -95,6 +95,11 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     parameter itself (from one of our checkpoints: export, log-probabilities of a trained model).
     """
     m = cfg.model
+    if m.num_moe_experts and cfg.parallel.expert_parallel_size != env.ep_size:  # a dense model has no experts to place
+        raise ValueError(
+            f"parallel.expert_parallel_size={cfg.parallel.expert_parallel_size}, but this world's groups were built "
+            f"for EP {env.ep_size} (init_distributed(..., ep_size=) / init_from_config(cfg) make them from the config)"
+        )
     backend = resolve_backend(
         m.attention_backend,
         device=env.device,

@@ -29,9 +29,9 @@ to each microbatch's loss and calls ``window_metrics`` at the end of the window:
   (1.0 = perfectly balanced; without the coefficient);
 - ``moe_tokens_per_expert_max_over_mean``: max over layers of max_e / mean_e of the routed token
   counts of the window (all ranks; 1.0 = balanced);
-- ``moe_ep_tokens_max_over_mean`` (expert parallelism only): the same over EP ranks, each rank's
-  experts' tokens summed: the busiest rank's expert work against the mean (the slowest rank sets
-  the layer's time; 1.0 = balanced, EP at most).
+- ``moe_ep_tokens_max_over_mean`` (expert parallelism only): the rows a rank's experts received
+  from its EP group in the window, busiest rank over the mean over all ranks, worst layer (the
+  slowest rank sets the layer's time; 1.0 = balanced).
 
 Expert capacity is not set (no token is dropped), so there is no dropped-token metric.
 """
@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from backend.distributed.collectives import all_gather_tensors
 
 
 @dataclass
@@ -101,7 +103,10 @@ def _to_first_rank(probs: torch.Tensor, routing_map: torch.Tensor, stats: MoESta
     EP x tokens x min(k, E / EP) rows, the most any routing can send it."""
     chosen = torch.zeros_like(routing_map)
     chosen[:, : stats.topk] = True
-    return chosen.to(probs.dtype) / stats.topk, chosen
+    # The router's own k probabilities, moved to those columns: they keep their gradient, so the
+    # backward saves what a real step's does (constant probabilities would save less).
+    top = probs.topk(stats.topk, dim=-1).values
+    return torch.cat([top, probs.new_zeros(probs.shape[0], probs.shape[1] - stats.topk)], dim=-1), chosen
 
 
 @contextlib.contextmanager
@@ -225,6 +230,26 @@ def window_metrics(model, num_samples: int, group=None) -> dict:
         "moe_tokens_per_expert_max_over_mean": float((counts.max(-1).values / mean).max()),
     }
     if stats.ep_size > 1:
-        per_rank = counts.view(layers, stats.ep_size, e // stats.ep_size).sum(-1)
-        out["moe_ep_tokens_max_over_mean"] = float((per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-12)).max())
+        out["moe_ep_tokens_max_over_mean"] = _ep_imbalance(stats, packed.new_zeros(layers, e), group)
     return out
+
+
+def _ep_imbalance(stats: MoEStats, zeros: torch.Tensor, group) -> float:
+    """max over layers of (rows the busiest rank's experts received) / (the mean over ranks).
+
+    Rank r of EP group g receives, for its experts, the tokens every rank of g routed to them;
+    every rank's own counts are gathered (layers x E numbers a rank) and summed per group, so two
+    EP groups whose hot ranks differ are not averaged into balance."""
+    mine = stats.counts if stats.counts is not None else zeros
+    return ep_imbalance(torch.stack(all_gather_tensors(mine, group=group)), stats.ep_size)
+
+
+def ep_imbalance(every: torch.Tensor, ep: int) -> float:
+    """``every`` [world, layers, E]: each rank's routed tokens per expert (EP groups are blocks of
+    ``ep`` consecutive ranks; EP rank j holds experts [j E/EP, (j + 1) E/EP))."""
+    world, layers, e = every.shape
+    per_group = every.view(world // ep, ep, layers, e).sum(1)  # what each EP group routed
+    received = per_group.view(world // ep, layers, ep, e // ep).sum(-1)  # [groups, layers, EP rank]
+    received = received.permute(1, 0, 2).reshape(layers, world)  # per layer, one column a rank
+    mean = received.mean(-1).clamp(min=1e-12)
+    return float((received.max(-1).values / mean).max())

@@ -72,7 +72,7 @@ def import_at_ep(rank: int, world: int, dirs: dict, tokens: torch.Tensor, valid:
     for kind, hf_dir in dirs.items():
         for ep, env in envs.items():
             reads.clear()
-            built = build_from_hf(hf_dir, env)
+            built = build_from_hf(hf_dir, env, f"parallel.expert_parallel_size={ep}")
             held = _experts_held(built.model)
             logits = our_logits(built.model, tokens, valid)
             stream = {n: t.clone() for n, t in hf_tensors(full_named_tensors(built.model), built.fields, dtype="fp32")}

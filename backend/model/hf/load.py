@@ -65,6 +65,24 @@ def _is_dtensor(param) -> bool:
     return hasattr(param, "device_mesh") and hasattr(param, "placements")
 
 
+def _contiguous_rows(param) -> bool:
+    """A _StridedShard(0, split_factor=f) is one block of rows only when f is the number of shards
+    the later mesh dimensions cut dim 0 into (FSDP2 over expert_dp inside the EP shard); any other
+    layout is read whole and sliced (``_fill``), never misplaced."""
+    mesh, placements = param.device_mesh, param.placements
+    for i, p in enumerate(placements):
+        factor = getattr(p, "split_factor", None)
+        if factor is None:
+            continue
+        later = 1
+        for j in range(i + 1, len(placements)):
+            if not placements[j].is_replicate():
+                later *= mesh.size(j)
+        if factor != later:
+            return False
+    return True
+
+
 def _local_rows(param) -> tuple[int, int] | None:
     """(start, stop) rows of this rank's shard when the parameter is sharded on dim 0 only."""
 
@@ -73,6 +91,8 @@ def _local_rows(param) -> tuple[int, int] | None:
     # FSDP2's Shard(0), or its _StridedShard(0) over experts already split by expert parallelism
     # (both keep a contiguous block of rows; compute_local_shape_and_global_offset knows where).
     if any(p.is_partial() or (not p.is_replicate() and getattr(p, "dim", None) != 0) for p in param.placements):
+        return None
+    if not _contiguous_rows(param):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
