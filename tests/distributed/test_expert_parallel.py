@@ -11,7 +11,8 @@
   files, written by one process at EP 1).
 - Checkpoints: a run at EP 2 stopped after step 2 and resumed gives steps 3-4 bitwise; the same
   checkpoint resumed at EP 1 (the experts regathered by DCP's global offsets) continues within
-  FP32 rounding.
+  FP32 rounding; on 4 ranks (dp 2 x cp 2) a checkpoint at EP 2, its experts FSDP2-sharded over 2
+  ranks, continues at EP 4.
 """
 
 from __future__ import annotations
@@ -126,10 +127,10 @@ def _run(cmd, timeout=600):
     return proc
 
 
-def _train(run_dir, hf_dir, cache, *extra):
+def _train(run_dir, hf_dir, cache, *extra, nproc=2):
     return _run(
         torchrun_command(
-            2,
+            nproc,
             "-m",
             "backend.train",
             HF_TINY,
@@ -164,14 +165,15 @@ def trained(tmp_path_factory, embedded_cache):
     return {"root": root, "hf": hf, "run": run, "cache": embedded_cache}
 
 
-def _resume_copy(trained, name):
-    """The run as it stood after step 2 (its step-4 checkpoint and rows removed)."""
+def _resume_copy(trained, name, source=None, last=4):
+    """The run as it stood after step 2 (its last checkpoint and later rows removed)."""
+    source = source or trained["run"]
     run = trained["root"] / name
-    shutil.copytree(trained["run"], run)
-    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    shutil.copytree(source, run)
+    shutil.rmtree(run / "checkpoints" / f"step_{last:08d}")
     rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if json.loads(line).get("step", 0) <= 2]
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in rows))
-    config = (run / "config.yaml").read_text().replace(str(trained["run"]), str(run))
+    config = (run / "config.yaml").read_text().replace(str(source), str(run))
     (run / "config.yaml").write_text(config)
     return run
 
@@ -195,6 +197,25 @@ def test_resume_at_ep2_is_bitwise_and_ep1_continues_it(trained):
         print("EP 2 -> EP 1 resume", a["step"], a["loss"], b["loss"], a["grad_norm"], b["grad_norm"])
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+
+
+def test_four_ranks_ep2_checkpoint_resumes_at_ep4(trained):
+    """dp 2 x cp 2: at EP 2 each expert is FSDP2-sharded over 2 ranks (expert_dp 2); at EP 4 it
+    lives whole on one rank. A step-2 checkpoint of the one layout continues in the other (DCP
+    regathers the shards by global offset), step 3 within FP32 rounding of the uninterrupted run."""
+    dense, cache = trained["root"] / "dense", trained["cache"]
+    four = ["parallel.context_parallel_size=2", "train.train_iters=3"]
+    full_run = trained["root"] / "four_ep2"
+    _train(full_run, dense, cache, *four, "parallel.expert_parallel_size=2", nproc=4)
+    full = _steps(full_run)
+    other = _resume_copy(trained, "four_ep4", source=full_run, last=3)
+    _train(other, dense, cache, *four, "parallel.expert_parallel_size=4", nproc=4)
+    continued = _steps(other)
+    assert [r["step"] for r in continued] == [1, 2, 3]
+    a, b = full[2], continued[2]
+    print("dp 2 x cp 2, EP 2 -> EP 4 resume: step 3", a["loss"], b["loss"], a["grad_norm"], b["grad_norm"])
+    assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
 
 
 def test_ep2_import_export_and_logprobs(tmp_path, trained):
