@@ -8,7 +8,8 @@ not change it; the router statistics (tokens per expert, aux loss) agree too.
 
 Expert parallelism (``parallel.expert_parallel_size``) trains the same model: EP 2 against EP 1
 under fixed, padded and packed plans at dp 2, EP 2 over a CP pair (dp 1 x cp 2), and on 4 ranks
-(dp 2 x cp 2) EP 4 padded and EP 2 packed against EP 1 of the same plan.
+(dp 2 x cp 2) EP 4 padded and EP 2 packed against EP 1 of the same plan at dp 2 (the same data
+parallel size, so the same windows per rank; CP adds its own summation order, as above).
 """
 
 from __future__ import annotations
@@ -59,9 +60,7 @@ def arms(tmp_path_factory, embedded_cache):
         "dynamic_ep2": arm("dynamic_dp2_ep2", dynamic + ep(2)),
         "packed_ep2": arm("packed_dp2_ep2", packed + ep(2)),
         "packed_cp2_ep2": arm("packed_cp2_ep2", packed + cp2 + ep(2)),
-        "dynamic_dp2cp2": arm("dynamic_dp2cp2", dynamic + cp2, nproc=4),
         "dynamic_dp2cp2_ep4": arm("dynamic_dp2cp2_ep4", dynamic + cp2 + ep(4), nproc=4),
-        "packed_dp2cp2": arm("packed_dp2cp2", packed + cp2, nproc=4),
         "packed_dp2cp2_ep2": arm("packed_dp2cp2_ep2", packed + cp2 + ep(2), nproc=4),
     }
 
@@ -107,14 +106,15 @@ def test_context_parallel_gives_the_same_moe_training(arms, name):
         ("dynamic", "dynamic_ep2"),
         ("packed", "packed_ep2"),
         ("packed_cp2", "packed_cp2_ep2"),
-        ("dynamic_dp2cp2", "dynamic_dp2cp2_ep4"),
-        ("packed_dp2cp2", "packed_dp2cp2_ep2"),
+        ("dynamic", "dynamic_dp2cp2_ep4"),
+        ("packed", "packed_dp2cp2_ep2"),
     ],
 )
 def test_expert_parallel_trains_like_ep1(arms, ref, name):
     """Tokens travel to their experts' ranks and back (all-to-all, each rank its own token count);
     the same plan at EP 1 is the reference: loss within 1e-6 relative, gradient cosine >= 0.999999,
-    router statistics within 1e-6. The EP arm's experts really were split (experts_per_rank)."""
+    router statistics within 1e-6, parameters within the CP bound above (2e-5). The EP arm's
+    experts really were split (experts_per_rank)."""
     result = compare(arms[ref], arms[name])
     print(ref, "->", name, {k: result[k] for k in ("loss_rel_diff", "grad_cosine", "max_param_diff")})
     assert arms[name]["experts_per_rank"] == 4 // arms[name]["expert_parallel_size"] < 4
