@@ -39,6 +39,7 @@ COLLECTIVES = {
     "all_to_all_single": "a2a",
 }
 KINDS = ("gather", "scatter", "a2a")
+ARGS_VARIABLE = "BENCH_EXPERT_PARALLEL_ARGS"
 
 
 def _count_collectives(counts: dict) -> None:
@@ -79,21 +80,18 @@ def _overrides(args) -> list[str]:
 def _arm(args, ep: int, counts: dict) -> dict:
     import torch
 
+    from backend.bench.compare import watch_experts_held
     from backend.config import load_config, validate
     from backend.distributed.collectives import all_gather_objects, dist_max
     from backend.distributed.setup import init_distributed
     from backend.model import moe_stats
     from backend.model.builder import token_losses
-    from backend.model.expert_parallel import experts_held
     from backend.model.factory import build_model
 
     env = init_distributed(1, ep_size=ep)
     cfg = validate(load_config(None, [*_overrides(args), f"parallel.expert_parallel_size={ep}"]), env.world_size)
     model = build_model(cfg, env, tokenizer_vocab=256).model
-    held = {}
-    for m in model.modules():
-        if hasattr(m, "experts_per_rank"):
-            m.register_forward_pre_hook(lambda mod, _a: held.update(n=experts_held(mod)))
+    held = watch_experts_held(model)
     n = int(args.tokens * (1 + env.rank / env.world_size))
     g = torch.Generator().manual_seed(env.rank)
     tokens = torch.randint(0, 256, (1, n), generator=g)
@@ -115,7 +113,7 @@ def _arm(args, ep: int, counts: dict) -> dict:
     busiest = max(per_rank, key=lambda c: sum(c.values()))
     return {
         "ep": ep,
-        "experts_per_rank": held.get("n"),
+        "experts_per_rank": held.get("experts"),
         "step_s": statistics.median(times),
         "bytes": {k: busiest.get(k, 0) for k in KINDS},
         "bytes_total": sum(busiest.values()),
@@ -168,14 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" in os.environ:  # a rank torchrun started: the options come in the environment (see below)
+        argv = json.loads(os.environ[ARGS_VARIABLE])
     args = p.parse_args(argv)
     args.eps = [int(x) for x in str(args.eps).split(",")]
     if "RANK" in os.environ:
         return _worker(args)
     from backend.distributed.launch import torchrun_command
 
-    cmd = torchrun_command(args.nproc, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # Not on the command line: torchrun's parser takes --nproc (a prefix of its --nproc-per-node)
+    # even after the script's name.
+    cmd = torchrun_command(args.nproc, str(Path(__file__).resolve()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{ARGS_VARIABLE: json.dumps(argv)})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)

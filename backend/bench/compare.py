@@ -30,7 +30,7 @@ def _full_flat(tensors) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _watch_experts_held(model) -> dict:
+def watch_experts_held(model) -> dict:
     """The experts a rank computes with, read at each MoE layer's forward (FSDP2 has unsharded its
     parameters by then): all E at EP 1, E / EP under expert parallelism."""
     from backend.model.expert_parallel import experts_held
@@ -69,7 +69,7 @@ def worker(argv: list[str]) -> int:
             "num_microbatches": [],
             "padding_efficiency": [],
         }
-        held = _watch_experts_held(trainer.model)
+        held = watch_experts_held(trainer.model)
         peak = 0
         for _ in range(int(steps)):
             trainer.step += 1

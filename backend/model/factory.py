@@ -24,7 +24,7 @@ import torch
 from backend.distributed.fsdp import wrap_fsdp
 
 from .attention import resolve_backend
-from .builder import build_gpt, model_fields, padded_vocab
+from .builder import build_gpt, is_value_head, model_fields, padded_vocab
 from .expert_parallel import place_experts
 from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
@@ -76,7 +76,7 @@ def _configure_output(model, cfg, *, tokenizer_vocab: int, vocab: int) -> None:
     stay out of the softmax and the entropy. An imported model keeps every row, as transformers
     does, and so does a vocabulary the user sized (``model.vocab_size`` other than that rounding)."""
     chunk = cfg.model.logits_chunk_tokens
-    if getattr(cfg.model, "head", "lm") == "value":  # a critic's head has one output, no vocabulary
+    if is_value_head(cfg.model):  # a critic's head has one output, no vocabulary
         model._logits_chunk_tokens, model._vocab_limit = 0, None
         return
     if chunk:

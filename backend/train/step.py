@@ -183,16 +183,19 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
             total.backward()
 
 
-def window_scale(mb: MicrobatchTensors, data: StepData, loss_cfg) -> torch.Tensor:
-    """Each position's share of the window objective (policy and value losses alike): the window's
+def window_objective(terms: dict, mb: MicrobatchTensors, data: StepData, loss_cfg, stats) -> torch.Tensor:
+    """A microbatch's share of the window objective from its per-token terms (policy and value
+    losses alike), its metrics added to ``stats`` with the same per-position shares: the window's
     loss tokens, or its sequences, never the microbatch's (``loss.normalization``)."""
-    return token_scale(
+    scale = token_scale(
         mb.loss_mask,
         mb.sequence_targets,
         normalization=loss_cfg.normalization,
         window_tokens=data.global_loss_tokens,
         window_sequences=data.global_loss_sequences,
     )
+    stats.add(terms, scale)
+    return (terms["objective"] * scale).sum()
 
 
 def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_hook=None) -> dict:
@@ -221,9 +224,7 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
             rollout_logprobs=mb.rollout_logprobs,
             sequence_sum=sequence_sum(mb, env.cp_group if env.cp_size > 1 else None),
         )
-        scale = window_scale(mb, data, loss_cfg)
-        stats.add(terms, scale)
-        return (terms["objective"] * scale).sum()
+        return window_objective(terms, mb, data, loss_cfg, stats)
 
     backward_window(model, data, env, microbatch_objective, microbatch_hook)
     return stats.reduce(kl=bool(loss_cfg.kl_coef), entropy=True)
@@ -254,9 +255,7 @@ def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_h
             old_values=mb.old_values,
             cfg=loss_cfg,
         )
-        scale = window_scale(mb, data, loss_cfg)
-        stats.add(terms, scale)
-        return (terms["objective"] * scale).sum()
+        return window_objective(terms, mb, data, loss_cfg, stats)
 
     backward_window(model, data, env, microbatch_objective, microbatch_hook)
     return stats.reduce()

@@ -260,3 +260,16 @@ def test_ep2_import_export_and_logprobs(tmp_path, trained):
         trained_ep1, trained_ep2 = r[("trained", 1)], r[("trained", 2)]
         assert set(trained_ep2) == set(files)
         assert all(torch.equal(trained_ep2[n], files[n]) and torch.equal(trained_ep1[n], files[n]) for n in files)
+
+
+def test_bench_expert_parallel_reports_both_arms():
+    """tools/bench_expert_parallel.py at its smallest (2 ranks, EP 1 and 2): EP 2 computes with half
+    the experts, exchanges tokens, and gathers fewer weight bytes than EP 1."""
+    proc = _run(
+        [sys.executable, "tools/bench_expert_parallel.py", "--nproc", "2", "--eps", "1,2", "--tokens", "64"]
+        + ["--steps", "1", "--scale", "0.03", "--json"]
+    )
+    arms = {a["ep"]: a for a in json.loads(proc.stdout.strip().splitlines()[-1])["arms"]}
+    assert arms[1]["experts_per_rank"] == 32 and arms[2]["experts_per_rank"] == 16
+    assert arms[1]["bytes"]["a2a"] == 0 < arms[2]["bytes"]["a2a"]
+    assert arms[2]["bytes"]["gather"] < arms[1]["bytes"]["gather"]

@@ -22,8 +22,8 @@ import torch
 
 from backend.config import load_config, validate
 from backend.model.output import chunked_logprobs
-from backend.train.trainer import Trainer
 from tests.conftest import TINY
+from tests.helpers.in_process import train_in_process
 
 
 def _reference(h, w, labels, temperature, limit):
@@ -68,32 +68,17 @@ def _rows(path, count=24, seed=0, policy=False):
 
 
 def _train(world, tmp_path, chunk: int, extra: list[str]):
-    run = tmp_path / f"chunk{chunk}"
-    cfg = validate(
-        load_config(
-            TINY,
-            [
-                "train.dynamic_batch_enable=true",
-                "train.max_tokens_per_gpu=256",
-                "data.max_seq_length=128",
-                "train.global_batch_size=12",
-                "train.train_iters=2",
-                f"model.logits_chunk_tokens={chunk}",
-                f"logger.run_dir={run}",
-                "checkpoint.resume=false",
-                "checkpoint.interval=0",
-                "logger.log_interval=1000",
-                *extra,
-            ],
-        )
-    )
-    trainer = Trainer(cfg, world)
-    trainer.train()
-    trainer.metrics.close()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    overrides = [
+        "train.dynamic_batch_enable=true",
+        "train.max_tokens_per_gpu=256",
+        "data.max_seq_length=128",
+        "train.global_batch_size=12",
+        "train.train_iters=2",
+        f"model.logits_chunk_tokens={chunk}",
+        *extra,
+    ]
+    rows, trainer = train_in_process(world, tmp_path / f"chunk{chunk}", overrides)
     weights = torch.cat([p.detach().full_tensor().reshape(-1) for p in trainer.model.parameters()])
-    for lock in trainer.locks:
-        lock.release()
     return rows, weights, trainer.model
 
 

@@ -8,39 +8,23 @@ bit for bit, under the same parameter names; full recomputation peaks lower. The
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from backend.config import load_config, validate
-from backend.train.trainer import Trainer
-from tests.conftest import TINY
+from tests.helpers.in_process import train_in_process
 
 
 def train(world, tmp_path, recompute: str):
     run = tmp_path / recompute
-    cfg = validate(
-        load_config(
-            TINY,
-            [
-                "train.dynamic_batch_enable=true",
-                "train.max_tokens_per_gpu=512",
-                "data.max_seq_length=256",
-                "train.train_iters=2",
-                f"model.recompute_granularity={recompute}",
-                f"logger.run_dir={run / 'run'}",
-                f"checkpoint.dir={run / 'ckpt'}",
-                "checkpoint.resume=false",
-                "checkpoint.interval=0",
-                "logger.log_interval=1000",
-            ],
-        )
-    )
-    trainer = Trainer(cfg, world)
-    trainer.train()
-    trainer.metrics.close()
-    rows = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    overrides = [
+        "train.dynamic_batch_enable=true",
+        "train.max_tokens_per_gpu=512",
+        "data.max_seq_length=256",
+        "train.train_iters=2",
+        f"model.recompute_granularity={recompute}",
+        f"checkpoint.dir={run / 'ckpt'}",
+    ]
+    rows, trainer = train_in_process(world, run / "run", overrides)
     weights = {name: p.detach().full_tensor().clone() for name, p in trainer.model.named_parameters()}
     return rows, weights
 
