@@ -101,15 +101,15 @@ def _arm(args, ep: int, counts: dict) -> dict:
     for step in range(args.steps + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)
         counts.clear()
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=env.group("world"))
         start = time.perf_counter()
         with moe_stats.routing_context(model, valid):
             losses = token_losses(model, tokens, torch.roll(tokens, -1, 1), positions, valid)
         losses.sum().backward()
-        elapsed = dist_max(time.perf_counter() - start, env.device)
+        elapsed = dist_max(time.perf_counter() - start, env.device, group=env.group("world"))
         if step:
             times.append(elapsed)
-    per_rank = all_gather_objects(dict(counts))
+    per_rank = all_gather_objects(dict(counts), group=env.group("world"))
     busiest = max(per_rank, key=lambda c: sum(c.values()))
     return {
         "ep": ep,

@@ -121,7 +121,7 @@ def worker(hf_dir: str, out: str) -> int:
             "local_shard_bytes": local,
             "num_parameters": built.num_parameters,
         }
-        ranks = all_gather_objects(mine)
+        ranks = all_gather_objects(mine, group=env.group("world"))
         if env.is_main:
             Path(out).write_text(json.dumps(ranks))
     finally:

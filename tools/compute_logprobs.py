@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt = cfg.model.hf_checkpoint
             elif env.is_main:
                 print("warning: no checkpoint found; using freshly initialised weights", file=sys.stderr)
-            planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+            planner = planner_from_config(cfg.train, env.dims, forward=True)
             logprobs = compute_logprobs(model, samples, env, planner, temperature=temperature)
             if env.is_main:
                 with open(args.output, "w", encoding="utf-8") as f:

@@ -60,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             import torch.distributed as dist
 
             box = [str(work)]
-            dist.broadcast_object_list(box, src=0)  # rank 0's directory for every rank (one node, or shared)
+            dist.broadcast_object_list(
+                box, src=0, group=env.group("world")
+            )  # rank 0's directory for every rank (one node, or shared)
             work = Path(box[0])
         phases = [run_phase(args.config, overrides, kind, n, work, env) for kind, n in zip(PHASES, per_phase) if n]
         if env.world_size > 1:
-            dist.barrier()  # no rank still reads rank 0's directory when it is removed
+            dist.barrier(group=env.group("world"))  # no rank still reads rank 0's directory when it is removed
     ok = all(p["within_prediction"] for p in phases)
     if env.is_main:
         print(format_table(phases))

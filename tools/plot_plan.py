@@ -58,6 +58,7 @@ def plan_from_config(config: str, overrides: list[str], *, dp: int, cp: int | No
     from backend.data.build import build_dataset
     from backend.data.iterator import bucket_edges_for, planner_from_config
     from backend.data.sampler import WindowSampler
+    from backend.distributed.parallel_dims import ParallelDims
 
     cfg = load_config(config, overrides)
     if cp is not None:
@@ -70,7 +71,7 @@ def plan_from_config(config: str, overrides: list[str], *, dp: int, cp: int | No
         sampler.next_window()
     window = sampler.next_window()
     edges = bucket_edges_for(cfg.train, dataset.lengths, cp_size=cp)
-    planner = planner_from_config(cfg.train, dp_size=dp, cp_size=cp, bucket_edges=edges)
+    planner = planner_from_config(cfg.train, ParallelDims(world_size=dp * cp, cp=cp), bucket_edges=edges)
     step_plan = planner([int(n) for n in dataset.lengths[window]])
     return step_plan, f"{Path(config).name}, {dataset.source}, step {step}"
 

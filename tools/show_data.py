@@ -99,13 +99,13 @@ def token_rows(tokenizer, sample) -> tuple[list[str], list[list[str]]]:
 def plan_lines(cfg, dataset, dp: int) -> list[str]:
     from backend.data.iterator import bucket_edges_for, planner_from_config
     from backend.data.sampler import WindowSampler
+    from backend.distributed.parallel_dims import ParallelDims
 
     cp = cfg.parallel.context_parallel_size
     window = WindowSampler(len(dataset), cfg.train.global_batch_size, cfg.train.seed).next_window()
     edges = bucket_edges_for(cfg.train, dataset.lengths, cp_size=cp)
-    plan = planner_from_config(cfg.train, dp_size=dp, cp_size=cp, bucket_edges=edges)(
-        [int(n) for n in dataset.lengths[window]]
-    )
+    dims = ParallelDims(world_size=dp * cp, cp=cp)
+    plan = planner_from_config(cfg.train, dims, bucket_edges=edges)([int(n) for n in dataset.lengths[window]])
     lines = [
         f"first window: {len(window)} samples, {plan.layout} layout, dp {dp}, cp {cp}, "
         f"{len(plan.ranks[0])} microbatches per rank"

@@ -84,7 +84,7 @@ def worker(argv: list[str]) -> int:
             for key, value in window.items():  # the policy loss's metrics (pg_loss, clipfrac, ...)
                 if key != "loss":
                     record.setdefault(key, []).append(value)
-            for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids)).items():
+            for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids), env).items():
                 record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
             record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
             start = time.perf_counter()
@@ -96,6 +96,7 @@ def worker(argv: list[str]) -> int:
                     loss=loss,
                     clip_grad=cfg.optimizer.clip_grad,
                     step=trainer.step,
+                    group=env.group("world"),
                 )
             step_time = grad_time + time.perf_counter() - start  # the recording is not timed
             step_peak = max(step_peak, trainer.meter.peak_bytes)
@@ -106,7 +107,7 @@ def worker(argv: list[str]) -> int:
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
                 record[key].append(metrics[key])
         record["params"] = _full_flat(params)
-        record["peak_memory_bytes"] = int(dist_max(peak, env.device))
+        record["peak_memory_bytes"] = int(dist_max(peak, env.device, group=env.group("world")))
         record["world_size"] = env.world_size
         record["expert_parallel_size"] = env.ep_size
         record["experts_per_rank"] = held.get("experts")

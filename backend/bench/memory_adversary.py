@@ -83,7 +83,7 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
         ],
     )
     if env.world_size > 1:
-        dist.barrier()  # the rows file is written before any rank reads it
+        dist.barrier(group=env.group("world"))  # the rows file is written before any rank reads it
     trainer = Trainer(validate(cfg, env.world_size), env)
     trainer.should_save = lambda: False  # a benchmark: no checkpoint (interval 0 still saves the last step)
     budget = trainer.cfg.train.max_tokens_per_gpu
@@ -96,7 +96,7 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if env.world_size > 1:
-        dist.barrier()  # rank 0's metrics.jsonl is complete before any rank reads it
+        dist.barrier(group=env.group("world"))  # rank 0's metrics.jsonl is complete before any rank reads it
     steps_out = [
         {
             k: r[k]

@@ -70,11 +70,11 @@ WEIGHT0_ARMS = ("dynamic_w0", "dynamic_packed_w0")
 def _sync(env) -> None:
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    dist.barrier()
+    dist.barrier(group=env.group("world"))
 
 
 def _max_over_ranks(value: float, env) -> float:
-    return dist_max(value, env.device)
+    return dist_max(value, env.device, group=env.group("world"))
 
 
 def _random_samples(lengths, rng) -> list[Sample]:
@@ -277,7 +277,7 @@ def run_set(
             r = records[arm]
             r["time"].append(elapsed)
             r["peak"].append(_max_over_ranks(float(peak), env))
-            slot_max, slot_mean = _imbalance(all_gather_objects(marks))
+            slot_max, slot_mean = _imbalance(all_gather_objects(marks, group=env.group("world")))
             r["imb"][0] += slot_max
             r["imb"][1] += slot_mean
             r["shapes"] |= {(mb.rows, mb.padded_len) for rank in plan.ranks for mb in rank if mb.indices}

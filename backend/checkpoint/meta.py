@@ -67,7 +67,8 @@ def validate_meta(meta: Any, file: Path) -> None:
         raise bad(f"lacks {', '.join(missing)}")
     unknown = sorted(
         set(meta)
-        - {"step", "scheduler", "world_size", "dp_size", "cp_size", "data", "wandb_run_id", "config", "caller_state"}
+        - {"step", "scheduler", "world_size", "dp_size", "cp_size", "parallel", "data", "wandb_run_id", "config"}
+        - {"caller_state"}
     )
     if unknown:
         raise bad(f"holds {len(unknown)} unknown key(s) (e.g. {unknown[0][:40]!r})")
@@ -79,6 +80,13 @@ def validate_meta(meta: Any, file: Path) -> None:
     for key in ("dp_size", "cp_size", "world_size"):
         if key in meta and not _count(meta[key], 1):
             raise bad(f"has {key} of type {_type_name(meta[key])} outside 1..{MAX_COUNT:,}")
+    parallel = meta.get("parallel")  # every dimension's size (written since ParallelDims; absent before)
+    if parallel is not None and not (
+        isinstance(parallel, dict)
+        and len(parallel) <= 16
+        and all(isinstance(k, str) and len(k) <= 32 and _count(v, 1) for k, v in parallel.items())
+    ):
+        raise bad("has a parallel entry that is not an object of sizes (1..)")
     if not isinstance(meta["scheduler"], dict):
         raise bad("has a scheduler state that is not an object")
     if meta["data"] is not None:  # null: written by a worker fed from memory (no data.path stream)

@@ -64,7 +64,7 @@ def resume_latest(ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env) -> d
                 raise  # readable but not for this layout: the user decides, no silent fallback
             except (CheckpointError, CheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if dist_any(reason is not None, env.device):
+        if dist_any(reason is not None, env.device, group=env.group("world")):
             tried.append(f"{path} ({reason or 'failed on another rank'})")
             log.warning(
                 "cannot resume from %s: %s; trying the previous checkpoint", path, reason or "another rank failed"

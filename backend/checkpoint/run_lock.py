@@ -164,6 +164,6 @@ def hold_run_dirs(cfg, env) -> list[RunLock]:
             for lock in locks:
                 lock.release()
             error = e
-    if dist_any(error is not None, env.device):
+    if dist_any(error is not None, env.device, group=env.group("world")):
         raise error or RunDirLockedError(f"{cfg.logger.run_dir}: held by another run (rank 0 says which)")
     return locks

@@ -105,7 +105,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
         root.mkdir(parents=True, exist_ok=True)
         clear_path(tmp)
         tmp.mkdir()
-    dist.barrier()
+    dist.barrier(group=env.group("world"))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
@@ -119,17 +119,18 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
             "world_size": env.world_size,
             "dp_size": env.dp_size,
             "cp_size": env.cp_size,
+            "parallel": env.dims.sizes(),  # every dimension (world_size, dp, cp, ep, tp, pp)
             **extra,
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
-    dist.barrier()
+    dist.barrier(group=env.group("world"))
     if env.is_main:
         clear_path(final)
         os.replace(tmp, final)  # the commit point
         if keep_last:
             for old in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=env.group("world"))
     return final
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from backend.batching import smallest_budget
+from backend.distributed.parallel_dims import ParallelDims
 
 from .errors import ConfigError
 from .schema import (
@@ -150,26 +151,6 @@ def _rope_errors(m) -> list[str]:
             "model.rope_scaling.factor: yarn without a factor derives it from model.max_position_embeddings, "
             "which is 0: set one of them"
         )
-    return errors
-
-
-def _expert_parallel_errors(cfg, world_size: int) -> list[str]:
-    """parallel.expert_parallel_size: an MoE model whose experts split evenly over EP ranks, EP
-    groups that tile the world."""
-    ep, m = cfg.parallel.expert_parallel_size, cfg.model
-    if ep == 1:
-        return []
-    errors = []
-    if not m.num_moe_experts:
-        errors.append(f"parallel.expert_parallel_size={ep}: needs an MoE model (model.num_moe_experts > 0)")
-    elif m.num_moe_experts % ep:
-        errors.append(
-            f"parallel.expert_parallel_size={ep}: must divide model.num_moe_experts={m.num_moe_experts} "
-            "(every rank of an EP group holds as many experts)"
-        )
-    if world_size % ep:
-        hint = f"; launch with torchrun --nproc-per-node {ep} (or a multiple of it)" if world_size == 1 else ""
-        errors.append(f"parallel.expert_parallel_size={ep}: must divide the world size {world_size}{hint}")
     return errors
 
 
@@ -371,12 +352,9 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     if errors:  # the cross-section checks below assume sane single values
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
-    cp = cfg.parallel.context_parallel_size
-    if world_size % cp:
-        hint = f"; launch with torchrun --nproc-per-node {cp} (or a multiple of it)" if world_size == 1 else ""
-        errors.append(f"parallel.context_parallel_size={cp}: must divide the world size {world_size}{hint}")
-    errors += _expert_parallel_errors(cfg, world_size)
-    dp = max(1, world_size // cp)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    errors += dims.errors(num_moe_experts=m.num_moe_experts)  # the one place the sizes are checked
+    cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(
             f"train.global_batch_size={t.global_batch_size}: must be divisible by train.micro_batch_size"

@@ -28,17 +28,16 @@ def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sample: int = 65536) -
     return choose_bucket_edges(lengths.tolist(), train_cfg.dynamic_batch_max_shapes, multiple)
 
 
-def planner_from_config(
-    train_cfg, *, dp_size: int, cp_size: int, forward: bool = False, bucket_edges: list[int] | None = None
-) -> Planner:
+def planner_from_config(train_cfg, dims, *, forward: bool = False, bucket_edges: list[int] | None = None) -> Planner:
     """The training planner (dynamic under train.max_tokens_per_gpu when train.dynamic_batch_enable,
     else fixed train.micro_batch_size), both in train.dynamic_batch_layout (padded or packed) and
     priced with train.dynamic_batch_attention_weight, or with ``forward=True`` the forward-only planner: dynamic
     under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu). A forward budget of
-    0 is an error, not a silent fixed plan."""
+    0 is an error, not a silent fixed plan. ``dims``: the world's ``ParallelDims`` (the planner
+    balances over its dp ranks and prices each sequence's cut over its cp ranks)."""
     args = dict(
-        dp_size=dp_size,
-        cp_size=cp_size,
+        dp_size=dims.dp,
+        cp_size=dims.cp,
         pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
         overhead=train_cfg.dynamic_batch_overhead,
         layout=train_cfg.dynamic_batch_layout,

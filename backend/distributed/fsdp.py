@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .collectives import dist_sum
@@ -26,11 +25,11 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> 
     stays there (its shards get storage with ``to_empty`` afterwards); any other is moved first.
 
     ``expert_modules`` (expert parallelism: their parameters already DTensors over the EP mesh
-    dimension) are sharded first, over ``env.expert_mesh["expert_dp"]``: the ranks that hold the
+    dimension) are sharded first, over ``env.dims.mesh("expert_dp")``: the ranks that hold the
     same experts; the layer around them then leaves their parameters alone."""
     if not any(p.is_meta for p in model.parameters()):
         model.to(env.device)
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mesh = env.dims.mesh("fsdp")  # dp x cp: the ranks holding distinct tokens
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
@@ -38,7 +37,7 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> 
     # nothing, so their dtypes are what they are at EP 1 (a router in FP32 keeps FP32 probabilities).
     expert_mp = dataclasses.replace(mp, cast_forward_inputs=False)
     for module in expert_modules:
-        fully_shard(module, mesh=env.expert_mesh["expert_dp"], mp_policy=expert_mp)
+        fully_shard(module, mesh=env.dims.mesh("expert_dp"), mp_policy=expert_mp)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     # Registered before fully_shard, so it runs before FSDP2's post-forward hook (hooks run in
@@ -67,7 +66,7 @@ def _own_output(_module, _args, output):
     return output
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) -> float:
     """The global L2 norm of the gradients, scaling them to ``max_norm`` when above it.
 
     One mesh (every parameter sharded over the world): torch's ``clip_grad_norm_``, as always.
@@ -75,7 +74,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     the world's, and DTensor refuses to stack norms across meshes. Every FSDP2 shard is disjoint
     (``Shard`` placements only), so the squared norm is the sum over the world of each rank's local
     squares: one all-reduce of one number, then every gradient clipped by that total (torchtitan
-    completes each mesh's norm on its own; one sum over the world is the same number in one call)."""
+    completes each mesh's norm on its own; one sum over the world is the same number in one call).
+    ``group``: the ranks whose shards make up every parameter (the world while tp = pp = 1)."""
     grads = [p.grad for p in params if p.grad is not None]
     if len({getattr(g, "device_mesh", None) for g in grads}) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -88,7 +88,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
             raise RuntimeError(f"gradient with placements {g.placements}: only sharded (FSDP2) gradients are expected")
         local.append(g.to_local() if hasattr(g, "to_local") else g)
     square = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in local]).sum()
-    total = float(dist_sum(square.reshape(1)).sqrt())
+    total = float(dist_sum(square.reshape(1), group=group).sqrt())
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         torch._foreach_mul_(local, coef)

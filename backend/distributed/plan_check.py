@@ -17,7 +17,7 @@ class PlanMismatchError(RuntimeError):
     pass
 
 
-def check_plan_agreement(plan: StepPlan, group=None, *, step: int | None = None) -> None:
+def check_plan_agreement(plan: StepPlan, group, *, step: int | None = None) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -37,7 +37,7 @@ def check_plan_agreement(plan: StepPlan, group=None, *, step: int | None = None)
     raise PlanMismatchError(f"the step plan differs across ranks{where} ({detail}); data, config or code diverged")
 
 
-def check_same_arguments(digest: str, *, what: str, group=None) -> None:
+def check_same_arguments(digest: str, *, what: str, group) -> None:
     """Every rank passed the same ``what`` (its ``digest``, e.g. a hash of the rows): an SPMD caller
     that hands ranks different rows would otherwise train a mixture or hang at a collective."""
     if dist.get_world_size(group) == 1:

@@ -1,16 +1,11 @@
 """Process groups: torch.distributed (gloo on CPU, NCCL on GPU) and megatron-core parallel_state.
 
-Ranks are laid out as megatron-core does with tensor and pipeline parallel size 1: the context-
-parallel rank varies fastest, so rank = dp_rank * cp + cp_rank. Gradients are reduced over the
-whole data x context parallel group (CP ranks hold different tokens of the same sequences).
-
-Expert parallelism (EP) cuts the same world another way: EP groups are blocks of ``ep``
-consecutive ranks (ep_rank = rank % ep; at cp 2 and ep 2 an EP group is a CP pair, at dp 2 x cp 2
-and ep 4 the whole world). ``expert_mesh`` is the 2-D mesh (expert_dp, ep) = (world / ep, ep):
-its "ep" dimension places the experts, its "expert_dp" dimension holds the ranks that own the same
-experts, over which FSDP2 shards (and reduce-scatters) those experts' weights, as torchtitan's
-``dp_shard_mod_ep``. megatron-core's own expert parallel size stays 1: its allgather dispatcher
-sees every expert and our experts module does the exchange (``model.expert_parallel``).
+The layout (which rank holds what) and the groups by purpose are ``ParallelDims``'s
+(``parallel_dims.py``); this module joins the world, initialises megatron-core's parallel state with
+the same sizes (its layers read their groups from it) and hands every caller a ``ParallelEnv``:
+this rank's coordinates plus ``dims`` for the groups. megatron-core's own expert parallel size
+stays 1: its allgather dispatcher sees every expert and our experts module does the exchange
+(``model.expert_parallel``).
 """
 
 from __future__ import annotations
@@ -27,12 +22,15 @@ import torch.distributed as dist
 from backend.megatron_compat import import_megatron_module
 
 from .collectives import all_gather_objects
+from .parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ParallelEnv:
+    """This rank's place in the world and the world's ``ParallelDims`` (sizes, groups, meshes)."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -41,15 +39,38 @@ class ParallelEnv:
     cp_rank: int
     cp_size: int
     device: torch.device
-    cp_group: object  # None when cp_size == 1
-    ep_size: int = 1
-    ep_rank: int = 0
-    ep_group: object = None  # None when ep_size == 1
-    expert_mesh: object = None  # DeviceMesh (expert_dp, ep) when ep_size > 1
+    dims: ParallelDims
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.dims.ep
+
+    @property
+    def cp_group(self):
+        """The context-parallel group (None at cp 1)."""
+        return self.dims.group("cp")
+
+    @property
+    def ep_group(self):
+        """The expert-parallel group (None at ep 1)."""
+        return self.dims.group("ep")
+
+    @property
+    def expert_mesh(self):
+        """The (expert_dp, ep) mesh (None at ep 1)."""
+        return self.dims.mesh("expert") if self.dims.ep > 1 else None
+
+    def group(self, purpose: str):
+        """``dims.group(purpose)``: "world", "loss", "batch", "cp", "ep", "tp"."""
+        return self.dims.group(purpose)
 
 
 def _free_port() -> int:
@@ -73,36 +94,31 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    world = dist.get_world_size()
-    if world % cp_size:
-        raise ValueError(f"parallel.context_parallel_size={cp_size} must divide the world size {world}")
+    dims = ParallelDims(world_size=dist.get_world_size(), cp=cp_size, ep=ep_size).validate()
     ps = import_megatron_module("megatron.core.parallel_state")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp_size
+            tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp
         )
-    env = ParallelEnv(
-        rank=dist.get_rank(),
-        world_size=world,
+    rank = dist.get_rank()
+    where = dims.coords(rank)
+    if (where["dp"], where["cp"]) != (ps.get_data_parallel_rank(), ps.get_context_parallel_rank()):
+        raise RuntimeError(
+            f"unexpected rank layout: rank {rank} is dp {ps.get_data_parallel_rank()}, cp "
+            f"{ps.get_context_parallel_rank()} in megatron-core's groups but {where} in ParallelDims"
+        )
+    dims.build(device.type, cp_group=ps.get_context_parallel_group(), batch_group=ps.get_data_parallel_group())
+    return ParallelEnv(
+        rank=rank,
+        world_size=dims.world_size,
         local_rank=local_rank,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        cp_rank=ps.get_context_parallel_rank(),
-        cp_size=ps.get_context_parallel_world_size(),
+        dp_rank=where["dp"],
+        dp_size=dims.dp,
+        cp_rank=where["cp"],
+        cp_size=dims.cp,
         device=device,
-        cp_group=ps.get_context_parallel_group() if cp_size > 1 else None,
+        dims=dims,
     )
-    if env.dp_rank * env.cp_size + env.cp_rank != env.rank:
-        raise RuntimeError(f"unexpected rank layout: rank {env.rank} is dp {env.dp_rank}, cp {env.cp_rank}")
-    if ep_size > 1:
-        if world % ep_size:
-            raise ValueError(f"parallel.expert_parallel_size={ep_size} must divide the world size {world}")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
-        env.ep_size, env.ep_rank = ep_size, env.rank % ep_size
-        env.ep_group, env.expert_mesh = mesh.get_group("ep"), mesh
-    return env
 
 
 def init_from_config(cfg) -> ParallelEnv:
@@ -131,7 +147,7 @@ def describe_world(env: ParallelEnv) -> list[dict]:
         "slurm_node_id": os.environ.get("SLURM_NODEID"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
-    return all_gather_objects(mine)
+    return all_gather_objects(mine, group=env.group("world"))
 
 
 def check_world_matches_allocation(world: list[dict]) -> None:

@@ -167,7 +167,8 @@ class WindowStats:
     (their scale is 0). The mismatch measures are reported when any rank's rows carried
     ``rollout_logprobs``."""
 
-    def __init__(self, device):
+    def __init__(self, device, group):
+        self.group = group  # the ranks holding distinct tokens (ParallelDims' "loss")
         keys = ("objective", *SUMMED, "rollout_tokens")
         self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}
         self.low = torch.full((), float("inf"), dtype=torch.float64, device=device)
@@ -197,8 +198,8 @@ class WindowStats:
     def reduce(self, *, kl: bool, entropy: bool) -> dict[str, float]:
         """Every rank's totals: ``loss`` (the objective) and the metrics (kl / entropy when measured)."""
         keys = list(self.sums)
-        packed = dist_sum(torch.stack([self.sums[k] for k in keys]))
-        extremes = dist_max_tensor(torch.stack([-self.low, self.high, self.gap]))
+        packed = dist_sum(torch.stack([self.sums[k] for k in keys]), self.group)
+        extremes = dist_max_tensor(torch.stack([-self.low, self.high, self.gap]), self.group)
         out = {("loss" if k == "objective" else k): float(v) for k, v in zip(keys, packed.tolist())}
         if not kl:
             out.pop("kl")

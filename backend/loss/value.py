@@ -62,7 +62,8 @@ def value_token_terms(
 class ValueStats:
     """The window's value metrics: local sums with the loss's scale, reduced over every rank."""
 
-    def __init__(self, device):
+    def __init__(self, device, group):
+        self.group = group  # the ranks holding distinct tokens (ParallelDims' "loss")
         self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in SUMMED}
 
     def add(self, terms: dict[str, torch.Tensor], scale: torch.Tensor) -> None:
@@ -83,7 +84,7 @@ class ValueStats:
 
     def reduce(self) -> dict[str, float]:
         keys = list(self.sums)
-        total = dict(zip(keys, dist_sum(torch.stack([self.sums[k] for k in keys])).tolist()))
+        total = dict(zip(keys, dist_sum(torch.stack([self.sums[k] for k in keys]), self.group).tolist()))
         var_r = total["return_sq"] - total["return_mean"] ** 2
         var_e = total["error_sq"] - total["error_mean"] ** 2
         return {

@@ -210,8 +210,10 @@ def begin_window(model) -> None:
         stats.reset_window()
 
 
-def window_metrics(model, num_samples: int, group=None) -> dict:
-    """The window's router metrics over all ranks (collective: every rank calls it); {} for dense models."""
+def window_metrics(model, num_samples: int, env) -> dict:
+    """The window's router metrics over all ranks (collective: every rank calls it); {} for dense models.
+    Token counts sum over ``env.group("loss")`` (each token once); the EP balance gathers every
+    rank's counts over the world (EP groups are blocks of the world's ranks)."""
     stats = stats_of(model)
     if stats is None:
         return {}
@@ -222,7 +224,7 @@ def window_metrics(model, num_samples: int, group=None) -> dict:
     else:
         packed = torch.cat([stats.counts.flatten(), stats.aux_sum.reshape(1)])
     if dist.is_initialized():
-        dist.all_reduce(packed, group=group)
+        dist.all_reduce(packed, group=env.group("loss"))
     counts, aux = packed[:-1].view(layers, e), float(packed[-1])
     mean = counts.mean(-1).clamp(min=1e-12)
     out = {
@@ -230,7 +232,7 @@ def window_metrics(model, num_samples: int, group=None) -> dict:
         "moe_tokens_per_expert_max_over_mean": float((counts.max(-1).values / mean).max()),
     }
     if stats.ep_size > 1:
-        out["moe_ep_tokens_max_over_mean"] = _ep_imbalance(stats, packed.new_zeros(layers, e), group)
+        out["moe_ep_tokens_max_over_mean"] = _ep_imbalance(stats, packed.new_zeros(layers, e), env.group("world"))
     return out
 
 

@@ -164,7 +164,7 @@ class GRPOLoop:
                 break
             mine[slot] = ([(c.token_ids, c.logprobs, c.stopped) for c in completions], rewards)
         generate_s = time.perf_counter() - start
-        parts = all_gather_objects((mine, error)) if env.world_size > 1 else [(mine, error)]
+        parts = all_gather_objects((mine, error), group=env.group("world")) if env.world_size > 1 else [(mine, error)]
         errors = [e for _, e in parts if e]
         if errors:
             kind, message = errors[0]
@@ -297,7 +297,7 @@ class GRPOLoop:
         try:
             while worker.step < cfg.train.train_iters:
                 self.step()
-                if stop.agreed(worker.env.device):
+                if stop.agreed(worker.env):
                     self.save()
                     log.warning("stop signal (%s): saved step %d, exiting to be resumed", stop.signal_name, worker.step)
                     return "interrupted" if stop.signal_name == "SIGINT" else "preempted"

@@ -77,13 +77,15 @@ def agreed_rows(rows, tokenizer, data_cfg, *, fields, limit: bool, what: str):
     except UserError as e:
         error, digest = e, f"error: {e}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        digests = all_gather_objects(digest)
+        digests = all_gather_objects(digest, group=dist.group.WORLD)
         failed = [(r, d) for r, d in enumerate(digests) if d.startswith("error: ")]
         if error is None and failed:
             rank, message = failed[0]
             raise DataFormatError(f"{what}: refused on rank {rank}: {message.removeprefix('error: ')}")
         if error is None:
-            check_same_arguments(digest, what=what)  # every rank parsed: compare (cheap, same call everywhere)
+            check_same_arguments(
+                digest, what=what, group=dist.group.WORLD
+            )  # every rank parsed: compare (cheap, same call everywhere)
     if error is not None:
         raise error
     return dataset
@@ -180,7 +182,7 @@ class TrainerWorker:
         trainer.step += 1
         updates = trainer.scheduler.last_epoch  # moves once the optimizer step is applied
         try:
-            check_plan_agreement(data.plan, step=trainer.step)
+            check_plan_agreement(data.plan, env.group("world"), step=trainer.step)
             recompute = trainer.policy and cfg.loss.old_logprobs == "recompute"
             fill_window(
                 data,
@@ -251,7 +253,7 @@ class PolicyWorker(TrainerWorker):
         layout and dp x cp."""
         cfg, env = self.cfg, self.env
         dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows")
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        planner = planner_from_config(cfg.train, env.dims, forward=True)
         samples = [dataset[i] for i in range(len(dataset))]
         values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
@@ -292,7 +294,7 @@ class ValueWorker(TrainerWorker):
         order, on every rank; planned under ``train.forward_max_tokens_per_gpu``."""
         cfg, env = self.cfg, self.env
         dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="values rows")
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+        planner = planner_from_config(cfg.train, env.dims, forward=True)
         samples = [dataset[i] for i in range(len(dataset))]
         out = compute_values(self.trainer.model, samples, env, planner)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in out]

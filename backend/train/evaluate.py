@@ -29,4 +29,4 @@ def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[floa
                 model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env
             ).double()
         tokens = int(dataset.loss_token_counts[ids].sum())
-        return float(dist_sum(local) / window_normaliser(tokens)), tokens
+        return float(dist_sum(local, env.group("loss")) / window_normaliser(tokens)), tokens

@@ -78,7 +78,7 @@ def per_token_outputs(samples: list[Sample], env, planner, evaluate) -> list[np.
         for row, index in enumerate(mb.indices):
             mine[index] = out[row, : len(samples[index].tokens) - 1].copy()
     merged: dict[int, np.ndarray] = {}
-    for part in all_gather_objects(mine):
+    for part in all_gather_objects(mine, group=env.group("world")):
         merged.update(part)
     return [merged[i] for i in range(len(samples))]
 

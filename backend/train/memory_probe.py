@@ -218,14 +218,16 @@ def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter
         points, floor, ratio = run_probes(model, optimizer, cfg, env, meter)
     # Every rank fits the worst rank's measurements: one fit, one budget, one decision everywhere.
     worst = torch.tensor([p for _, _, p in points] + [floor, ratio], dtype=torch.float64, device=env.device)
-    worst = dist_max_tensor(worst).tolist()
+    worst = dist_max_tensor(worst, env.group("world")).tolist()
     ratio = worst[-1]
     scaled = [(t, a, p * ratio) for (t, a, _), p in zip(points, worst)]
     fit = fit_memory(scaled, attention=attention_materialised(backend), floor=worst[-2] * ratio)
     # A step holds its whole window's collated inputs, a probe only its own microbatch's.
     inputs = window_input_bytes(cfg, env.cp_size)
     fit = dataclasses.replace(fit, a=fit.a + inputs, floor=fit.floor + inputs)
-    limit = int(-dist_max(-_limit_bytes(cfg, meter), env.device))  # the smallest rank's: one decision everywhere
+    limit = int(
+        -dist_max(-_limit_bytes(cfg, meter), env.device, group=env.group("world"))
+    )  # the smallest rank's: one decision everywhere
     margin = cfg.train.memory_margin
     cp = env.cp_size
     window_tokens = cfg.train.global_batch_size * cfg.data.max_seq_length // cp  # no microbatch holds more

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 
-import torch
-
 from backend.distributed.collectives import dist_any
 
 log = logging.getLogger(__name__)
@@ -43,6 +41,6 @@ class StopRequest:
         if signum == signal.SIGINT:
             log.warning("Ctrl-C: saving a checkpoint at the end of this step, then exiting (Ctrl-C again aborts)")
 
-    def agreed(self, device: torch.device) -> bool:
+    def agreed(self, env) -> bool:
         """True on every rank once any rank has received a stop signal (one tiny all-reduce)."""
-        return dist_any(self.signal_name is not None, device)
+        return dist_any(self.signal_name is not None, env.device, group=env.group("world"))

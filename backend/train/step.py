@@ -162,7 +162,7 @@ def forward_backward(
         return loss_sum / normaliser
 
     backward_window(model, data, env, microbatch_objective, microbatch_hook)
-    return {"loss": (dist_sum(local_sum) / normaliser).item()}
+    return {"loss": (dist_sum(local_sum, env.group("loss")) / normaliser).item()}
 
 
 def backward_window(model, data: StepData, env, microbatch_objective, microbatch_hook=None) -> None:
@@ -203,7 +203,7 @@ def policy_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_
     log-probabilities and entropy from the logits, the per-token terms, each token scaled by its
     window share (token or sequence normalisation), one backward. Returns ``loss`` (the window's
     objective), pg_loss, kl (when kl_coef > 0), entropy, clipfrac, approx_kl, ratio_min, ratio_max."""
-    stats = WindowStats(env.device)
+    stats = WindowStats(env.device, env.group("loss"))
 
     def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
         mb = mb.to(env.device)
@@ -242,7 +242,7 @@ def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_h
     """PPO's clipped value loss over the window (``backend/loss/value.py``), normalised like the
     policy loss (token or sequence, the window's denominators). Returns ``loss`` (= vf_loss),
     vf_clipfrac, value_mean, return_mean, explained_variance."""
-    stats = ValueStats(env.device)
+    stats = ValueStats(env.device, env.group("loss"))
 
     def microbatch_objective(mb: MicrobatchTensors) -> torch.Tensor:
         mb = mb.to(env.device)
@@ -261,10 +261,11 @@ def value_forward_backward(model, data: StepData, env, loss_cfg, *, microbatch_h
     return stats.reduce()
 
 
-def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int) -> dict:
-    """Clip, check and apply the accumulated gradient; returns grad_norm and the lr used."""
+def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int, group) -> dict:
+    """Clip, check and apply the accumulated gradient; returns grad_norm and the lr used. ``group``:
+    the ranks whose gradient shards make up the whole (the gradient norm's sum)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf)
+    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(
@@ -294,8 +295,10 @@ def train_step(
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
     window = forward_backward(model, data, env, loss_cfg=loss_cfg, microbatch_hook=microbatch_hook)
-    moe = moe_stats.window_metrics(model, len(data.window_ids))  # {} for dense models
-    out = apply_update(model, optimizer, scheduler, loss=window["loss"], clip_grad=clip_grad, step=step)
+    moe = moe_stats.window_metrics(model, len(data.window_ids), env)  # {} for dense models
+    out = apply_update(
+        model, optimizer, scheduler, loss=window["loss"], clip_grad=clip_grad, step=step, group=env.group("world")
+    )
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     return {**window, **out, **moe, "step_time_s": time.perf_counter() - start}

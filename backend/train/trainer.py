@@ -137,9 +137,7 @@ class Trainer:
         )
         if edges and env.is_main:
             log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
-        self.planner = planner = planner_from_config(
-            cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, bucket_edges=edges
-        )
+        self.planner = planner = planner_from_config(cfg.train, env.dims, bucket_edges=edges)
         loss = cfg.loss
         self.policy = loss.type == "policy"
         self.reference = reference = (
@@ -162,7 +160,7 @@ class Trainer:
             )
         if self.valid is not None:
             self.valid_ids = evaluation_ids(self.valid, cfg.train.eval_samples)
-            self.valid_planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size, forward=True)
+            self.valid_planner = planner_from_config(cfg.train, env.dims, forward=True)
 
         self.step = 0
         self.wandb_run_id = None
@@ -235,7 +233,7 @@ class Trainer:
             (self.memory.fit.predict(mb.cost, mb.area / cp) for mb in data.plan.microbatches(self.env.dp_rank)),
             default=self.memory.fit.a,
         )
-        ratio = float(dist_max(peak / predicted, self.env.device))
+        ratio = float(dist_max(peak / predicted, self.env.device, group=self.env.group("world")))
         row = {"predicted_peak_bytes": predicted, "peak_over_prediction_max_rank": ratio}
         if ratio <= 1.05:
             return row
@@ -258,9 +256,7 @@ class Trainer:
             self.cfg = dataclasses.replace(
                 self.cfg, train=dataclasses.replace(self.cfg.train, max_tokens_per_gpu=lower)
             )
-            self.planner = planner_from_config(
-                self.cfg.train, dp_size=self.env.dp_size, cp_size=self.env.cp_size, bucket_edges=self.bucket_edges
-            )
+            self.planner = planner_from_config(self.cfg.train, self.env.dims, bucket_edges=self.bucket_edges)
             if self.windows is not None:
                 self.windows.planner = self.planner
         return row
@@ -367,7 +363,7 @@ class Trainer:
             while self.step < self.cfg.train.train_iters:
                 self.step += 1
                 self.train_one_step()
-                if stop.agreed(self.env.device):
+                if stop.agreed(self.env):
                     self.save()
                     log.warning(
                         "stop signal (%s) received: saved step %d, exiting to be resumed",
@@ -419,7 +415,7 @@ class Trainer:
         start = time.perf_counter()
         data = next(self.data)
         data_time = time.perf_counter() - start
-        check_plan_agreement(data.plan, step=self.step)
+        check_plan_agreement(data.plan, self.env.group("world"), step=self.step)
         return data, data_time
 
     def log_step(self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None) -> dict:

@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, cp: int, layout: str, rows: str) -> dict | None
         )
         dataset, tok = build_dataset(cfg.data, row_fields(cfg.loss))
         model = build_model(cfg, env, tokenizer_vocab=tok.vocab_size).model
-        planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)
+        planner = planner_from_config(cfg.train, env.dims)
         data = window_data(dataset, np.arange(WINDOW), planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=cp)
         metrics = forward_backward(model, data, env, loss_cfg=cfg.loss)
         grad = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()])

@@ -45,7 +45,7 @@ def iterate_epoch(rank: int, world: int):
     seen = []
     for step in range(NUM_SAMPLES // GBS):
         data = next(it)
-        check_plan_agreement(data.plan, step=step)
+        check_plan_agreement(data.plan, dist.group.WORLD, step=step)
         counts = torch.tensor([len(data.microbatches)])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         assert counts.item() == len(data.microbatches)
@@ -107,7 +107,7 @@ def diverging_plan(rank: int, world: int):
     lengths = [10, 20, 30, 40] if rank != 1 else [10, 20, 30, 41]
     plan = plan_dynamic(lengths, dp_size=1, max_tokens_per_gpu=64)
     try:
-        check_plan_agreement(plan, step=7)
+        check_plan_agreement(plan, torch.distributed.group.WORLD, step=7)
     except PlanMismatchError as e:
         return str(e)
     return None

@@ -179,7 +179,7 @@ def _rank(rank: int, world: int, cp: int, rows: str) -> dict | None:
             if model is None:
                 model = build_model(cfg, env, tokenizer_vocab=tok.vocab_size).model
             ids = np.arange(WINDOW)
-            planner = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)
+            planner = planner_from_config(cfg.train, env.dims)
             step_plan = planner([int(n) for n in dataset.lengths[ids]])
             data = StepData(
                 window_ids=ids,

@@ -145,6 +145,7 @@ def test_print_config_shows_the_values_the_run_uses():
 
 def test_layout_and_attention_weight_reach_the_planner():
     from backend.data.iterator import planner_from_config
+    from backend.distributed.parallel_dims import ParallelDims
 
     cfg = validate(
         load_config(
@@ -157,7 +158,7 @@ def test_layout_and_attention_weight_reach_the_planner():
             ],
         )
     )
-    plan = planner_from_config(cfg.train, dp_size=2, cp_size=1)([100, 200, 300])
+    plan = planner_from_config(cfg.train, ParallelDims(world_size=2))([100, 200, 300])
     assert plan.layout == "packed" and plan.attention_weight == 0.002
-    forward = planner_from_config(cfg.train, dp_size=1, cp_size=1, forward=True)([100, 200])
+    forward = planner_from_config(cfg.train, ParallelDims(world_size=1), forward=True)([100, 200])
     assert forward.layout == "packed"

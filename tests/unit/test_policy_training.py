@@ -62,9 +62,7 @@ def rows(tmp_path_factory):
 
 def _window(dataset, cfg, env, ids=None) -> StepData:
     ids = np.arange(WINDOW) if ids is None else ids
-    plan = planner_from_config(cfg.train, dp_size=env.dp_size, cp_size=env.cp_size)(
-        [int(n) for n in dataset.lengths[ids]]
-    )
+    plan = planner_from_config(cfg.train, env.dims)([int(n) for n in dataset.lengths[ids]])
     counts = dataset.loss_token_counts[ids]
     return StepData(
         ids,
@@ -198,7 +196,7 @@ def _merged(rows, model, cfg, world, field, out: Path) -> Path:
     """``rows`` with ``field`` computed by ``model`` (the offline tool's library calls)."""
     dataset, _ = build_dataset(cfg.data, row_fields(None) if False else row_fields(cfg.loss))
     samples = [dataset[i] for i in range(len(dataset))]
-    planner = planner_from_config(cfg.train, dp_size=world.dp_size, cp_size=world.cp_size, forward=True)
+    planner = planner_from_config(cfg.train, world.dims, forward=True)
     logprobs = compute_logprobs(model, samples, world, planner)
     source = [json.loads(line) for line in Path(rows).read_text().splitlines()]
     return write_rows(out, [with_logprobs(r, lp, field) for r, lp in zip(source, logprobs)])

@@ -1,0 +1,145 @@
+"""How the world is split: every parallel dimension's size, validated once, the rank layout, and
+the meshes and process groups asked for by what they are for.
+
+Sizes: data parallel (dp, derived: world / (cp x tp x pp)), context parallel (cp), expert
+parallel (ep), tensor parallel (tp) and pipeline parallel (pp); tp and pp are 1 (their keys do
+not exist yet). The checks (``errors``) are the only ones: config validation calls them with the
+launch's world size and the model's expert count, process-group set-up calls ``validate`` with the
+real world, so a launch that disagrees with its config fails with the same sentence either way.
+
+Rank layout, fastest-varying last (megatron-core's order): rank = ((pp_rank x dp + dp_rank) x cp
++ cp_rank) x tp + tp_rank. TP ranks are consecutive, so a TP group stays inside a node; CP ranks
+next (rank = dp_rank x cp + cp_rank while tp = pp = 1). Expert parallelism cuts the same world
+another way: EP groups are blocks of ep consecutive ranks (ep_rank = rank % ep), and the 2-D mesh
+(expert_dp, ep) = (world / ep, ep) holds in "expert_dp" the ranks that own the same experts (over
+which FSDP2 shards them, torchtitan's ``dp_shard_mod_ep``).
+
+Purposes (``group`` / ``mesh``), as torchtitan's ``ParallelDims.get_mesh`` names them:
+
+- ``"world"``: every rank. Agreement checks (plans, rows, stop requests), maxima of times and
+  memory, gathers of small objects: things every process must see.
+- ``"fsdp"`` (a mesh) / ``"loss"`` (its group): dp x cp, the ranks that hold distinct tokens. FSDP2
+  shards and reduce-scatters over them, and every loss and metric sum reduces over them, so a
+  token is counted once (TP ranks hold the same tokens and must not add them again).
+- ``"batch"``: dp, the ranks that hold distinct samples (what the planner balances over).
+- ``"cp"``, ``"ep"``, ``"tp"``: one dimension's group; None when that dimension has size 1 (every
+  helper then communicates nothing). ``"expert"`` / ``"expert_dp"`` / ``"ep"`` meshes with ep > 1.
+
+This module imports no torch at import time: the config's validation uses the sizes and checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GROUPS = ("world", "loss", "batch", "cp", "ep", "tp")
+MESHES = ("fsdp", "expert", "expert_dp", "ep")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+    # process groups and device meshes by purpose, filled by ``build`` (absent in pure uses)
+    _built: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_config(cls, parallel, world_size: int) -> ParallelDims:
+        """The sizes ``parallel.*`` asks for in a world of ``world_size`` processes (not yet checked)."""
+        return cls(world_size=world_size, cp=parallel.context_parallel_size, ep=parallel.expert_parallel_size)
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world_size // (self.cp * self.tp * self.pp))
+
+    def errors(self, *, num_moe_experts: int | None = None) -> list[str]:
+        """Every way these sizes do not tile the world (and, given the model's experts per layer,
+        do not split them), each naming its key; [] when they do."""
+        world, out = self.world_size, []
+
+        def hint(size: int) -> str:
+            return f"; launch with torchrun --nproc-per-node {size} (or a multiple of it)" if world == 1 else ""
+
+        if world % self.cp:
+            out.append(f"parallel.context_parallel_size={self.cp}: must divide the world size {world}{hint(self.cp)}")
+        if self.ep > 1 and num_moe_experts is not None:
+            if not num_moe_experts:
+                out.append(f"parallel.expert_parallel_size={self.ep}: needs an MoE model (model.num_moe_experts > 0)")
+            elif num_moe_experts % self.ep:
+                out.append(
+                    f"parallel.expert_parallel_size={self.ep}: must divide model.num_moe_experts={num_moe_experts} "
+                    "(every rank of an EP group holds as many experts)"
+                )
+        if world % self.ep:
+            out.append(f"parallel.expert_parallel_size={self.ep}: must divide the world size {world}{hint(self.ep)}")
+        return out
+
+    def validate(self, **model) -> ParallelDims:
+        """Self, or a ValueError holding every ``errors`` sentence."""
+        found = self.errors(**model)
+        if found:
+            raise ValueError("; ".join(found))
+        return self
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits in each dimension (the layout in the module docstring)."""
+        return {
+            "tp": rank % self.tp,
+            "cp": rank // self.tp % self.cp,
+            "dp": rank // (self.tp * self.cp) % self.dp,
+            "pp": rank // (self.tp * self.cp * self.dp),
+            "ep": rank % self.ep,
+        }
+
+    def sizes(self) -> dict[str, int]:
+        """Every dimension's size (what checkpoints record and the console shows)."""
+        return {"world_size": self.world_size, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp, "pp": self.pp}
+
+    # Runtime: the process groups and meshes (torch.distributed initialised).
+    def build(self, device_type: str, *, cp_group=None, batch_group=None) -> ParallelDims:
+        """Make the meshes and record the groups by purpose (called once per world by
+        ``init_distributed``). ``cp_group`` / ``batch_group``: megatron-core's own context- and
+        data-parallel groups, which its layers use too (one group per purpose, never two)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.validate()
+        fsdp = init_device_mesh(device_type, (self.dp * self.cp,), mesh_dim_names=("fsdp",))
+        built = {
+            "world": dist.group.WORLD,
+            "fsdp": fsdp,
+            "loss": fsdp.get_group(),
+            "batch": batch_group,
+            "cp": cp_group if self.cp > 1 else None,
+            "ep": None,
+            "tp": None,
+        }
+        if self.ep > 1:
+            expert = init_device_mesh(
+                device_type, (self.world_size // self.ep, self.ep), mesh_dim_names=("expert_dp", "ep")
+            )
+            built.update(expert=expert, expert_dp=expert["expert_dp"], ep=expert.get_group("ep"))
+            built["ep_mesh"] = expert["ep"]
+        self._built.update(built)
+        return self
+
+    def group(self, purpose: str):
+        """The process group for ``purpose`` (see the module docstring; None: a dimension of size 1)."""
+        if purpose not in GROUPS:
+            raise ValueError(f"group {purpose!r}: purposes are {', '.join(GROUPS)}")
+        if not self._built:
+            raise RuntimeError("ParallelDims.group: the groups are made by init_distributed (build)")
+        return self._built[purpose]
+
+    def mesh(self, purpose: str):
+        """The device mesh for ``purpose``: "fsdp" (dp x cp), "expert" (expert_dp, ep), "expert_dp",
+        "ep" (the last three with ep > 1 only)."""
+        if purpose not in MESHES:
+            raise ValueError(f"mesh {purpose!r}: purposes are {', '.join(MESHES)}")
+        key = "ep_mesh" if purpose == "ep" else purpose
+        if key not in self._built:
+            raise RuntimeError(f"ParallelDims.mesh({purpose!r}): not built (expert meshes exist with ep > 1 only)")
+        return self._built[key]
