@@ -46,7 +46,8 @@ from backend.data.jsonl import InMemoryDataset
 from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, dist_max
 from backend.distributed.fsdp import set_grad_sync
-from backend.train.step import microbatch_loss_sum, train_step
+from backend.loss.cross_entropy import microbatch_loss_sum
+from backend.train.step import train_step
 
 from .length_sets import synthetic_lengths
 from .memory import SavedActivationMeter

@@ -96,7 +96,14 @@ class ParallelDims:
 
     def sizes(self) -> dict[str, int]:
         """Every dimension's size (what checkpoints record and the console shows)."""
-        return {"world_size": self.world_size, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp, "pp": self.pp}
+        return {
+            "world_size": self.world_size,
+            "dp": self.dp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "tp": self.tp,
+            "pp": self.pp,
+        }
 
     # Runtime: the process groups and meshes (torch.distributed initialised).
     def build(self, device_type: str, *, cp_group=None, batch_group=None) -> ParallelDims:

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from backend.data.collate import MicrobatchTensors
+from backend.distributed.collectives import dist_sum
+
+from .outputs import microbatch_token_losses
+from .registry import Objective, register_loss
+
 
 def weighted_token_sum(token_losses: torch.Tensor, loss_weight: torch.Tensor) -> torch.Tensor:
     """sum(loss_weight x token cross-entropy) over one microbatch's positions (padding has weight 0)."""
@@ -20,3 +26,29 @@ def weighted_token_sum(token_losses: torch.Tensor, loss_weight: torch.Tensor) ->
 def window_normaliser(loss_tokens: int) -> int:
     """The window's denominator: its target tokens (at least 1, so an empty window divides by 1)."""
     return max(1, int(loss_tokens))
+
+
+def microbatch_loss_sum(model, mb: MicrobatchTensors, env, *, normaliser: int = 1) -> torch.Tensor:
+    """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch; the caller divides
+    it by ``normaliser`` before backward (so each loss's gradient is loss_weight / normaliser)."""
+    mb = mb.to(env.device)
+    hint = mb.loss_weight / normaliser if torch.is_grad_enabled() else None
+    losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0, grad_hint=hint)
+    return weighted_token_sum(losses, mb.loss_weight)
+
+
+@register_loss("cross_entropy")
+class CrossEntropy(Objective):
+    """sum(loss_weight x CE) over the window's target tokens / their count (``window_normaliser``)."""
+
+    def begin(self, data, env) -> None:
+        self.normaliser = window_normaliser(data.global_loss_tokens)
+        self.local_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+
+    def microbatch(self, model, mb, data, env):
+        loss_sum = microbatch_loss_sum(model, mb, env, normaliser=self.normaliser)
+        self.local_sum += loss_sum.detach().double()
+        return loss_sum / self.normaliser
+
+    def end(self, env) -> dict[str, float]:
+        return {"loss": (dist_sum(self.local_sum, env.group("loss")) / self.normaliser).item()}

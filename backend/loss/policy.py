@@ -24,6 +24,8 @@ import torch
 
 from backend.distributed.collectives import dist_max_tensor, dist_sum
 
+from .outputs import microbatch_logprobs, sequence_sum
+from .registry import Objective, register_loss
 from .rollout import correction_weights, mismatch_terms
 
 # Window metrics summed with the loss's scale (pg_loss, kl, entropy weighted by loss_weight, so
@@ -215,3 +217,53 @@ class WindowStats:
             for key in MISMATCH:
                 out.pop(key)
         return out
+
+
+def window_objective(terms: dict, mb, data, loss_cfg, stats) -> torch.Tensor:
+    """A microbatch's share of the window objective from its per-token terms (policy and value
+    losses alike), its metrics added to ``stats`` with the same per-position shares: the window's
+    loss tokens, or its sequences, never the microbatch's (``loss.normalization``)."""
+    scale = token_scale(
+        mb.loss_mask,
+        mb.sequence_targets,
+        normalization=loss_cfg.normalization,
+        window_tokens=data.global_loss_tokens,
+        window_sequences=data.global_loss_sequences,
+    )
+    stats.add(terms, scale)
+    return (terms["objective"] * scale).sum()
+
+
+@register_loss("policy")
+class Policy(Objective):
+    """The PPO / GRPO objective (``policy_token_terms``), normalised over the window; metrics
+    pg_loss, kl (when kl_coef > 0), entropy, clipfrac, approx_kl, ratio_min, ratio_max and the
+    sampler mismatch measures."""
+
+    def begin(self, data, env) -> None:
+        self.stats = WindowStats(env.device, env.group("loss"))
+
+    def microbatch(self, model, mb, data, env):
+        cfg = self.cfg
+        mb = mb.to(env.device)
+        # The entropy is always measured (a metric); it joins the graph only when it is in the loss.
+        entropy = "grad" if cfg.entropy_coef else "value"
+        lp, h = microbatch_logprobs(
+            model, mb, env.cp_group, entropy=entropy, route_rows=mb.sample_ids >= 0, temperature=cfg.temperature
+        )
+        terms = policy_token_terms(
+            lp,
+            h,
+            loss_mask=mb.loss_mask,
+            loss_weight=mb.loss_weight,
+            advantages=mb.advantages,
+            old_logprobs=mb.old_logprobs,
+            ref_logprobs=mb.ref_logprobs,
+            cfg=cfg,
+            rollout_logprobs=mb.rollout_logprobs,
+            sequence_sum=sequence_sum(mb, env.cp_group if env.cp_size > 1 else None),
+        )
+        return window_objective(terms, mb, data, cfg, self.stats)
+
+    def end(self, env) -> dict[str, float]:
+        return self.stats.reduce(kl=bool(self.cfg.kl_coef), entropy=True)

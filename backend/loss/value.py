@@ -20,6 +20,10 @@ import torch
 
 from backend.distributed.collectives import dist_sum
 
+from .outputs import microbatch_values
+from .policy import window_objective
+from .registry import Objective, register_loss
+
 SUMMED = ("vf_loss", "vf_clipfrac", "value_mean", "return_mean", "return_sq", "error_mean", "error_sq")
 
 
@@ -95,3 +99,28 @@ class ValueStats:
             "return_mean": total["return_mean"],
             "explained_variance": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
         }
+
+
+@register_loss("value")
+class Value(Objective):
+    """PPO's clipped value loss (``value_token_terms``), normalised like the policy loss; metrics
+    vf_loss, vf_clipfrac, value_mean, return_mean, explained_variance."""
+
+    def begin(self, data, env) -> None:
+        self.stats = ValueStats(env.device, env.group("loss"))
+
+    def microbatch(self, model, mb, data, env):
+        mb = mb.to(env.device)
+        values = microbatch_values(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+        terms = value_token_terms(
+            values,
+            loss_mask=mb.loss_mask,
+            loss_weight=mb.loss_weight,
+            returns=mb.returns,
+            old_values=mb.old_values,
+            cfg=self.cfg,
+        )
+        return window_objective(terms, mb, data, self.cfg, self.stats)
+
+    def end(self, env) -> dict[str, float]:
+        return self.stats.reduce()

@@ -1,4 +1,10 @@
-"""Advantages from rewards (pure numpy).
+"""Advantages from rewards (pure numpy), and the estimators ``rl.advantage`` names.
+
+An estimator (``@register_advantage("name")``) takes a step's rows (every response of every
+prompt, prompt-major), their rewards [prompts, samples] and the critic (or None), writes each
+row's ``advantages`` and returns the critic's rows (or None) and its metrics. ``grpo`` needs no
+critic, ``gae`` one; a new estimator is one class and one name (plus the name in ``rl.advantage``'s
+allowed values).
 
 GRPO (Shao et al. 2024, DeepSeekMath): a prompt's group of G responses shares a baseline, the
 group's mean reward; with ``scale`` each centred reward is divided by the group's standard
@@ -61,3 +67,80 @@ def gae(
         adv[t] = next_adv
     returns = np.where(m, adv + v, 0.0)
     return adv, returns
+
+
+ADVANTAGES: dict[str, type] = {}
+
+
+def register_advantage(name: str):
+    """Class decorator: ``rl.advantage: name`` builds this estimator (with the ``rl`` section)."""
+
+    def wrap(cls):
+        cls.name = name
+        ADVANTAGES[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_advantage(rl):
+    """The estimator ``rl.advantage`` names."""
+    if rl.advantage not in ADVANTAGES:
+        raise ValueError(f"rl.advantage={rl.advantage!r}: allowed values are {', '.join(sorted(ADVANTAGES))}")
+    return ADVANTAGES[rl.advantage](rl)
+
+
+@register_advantage("grpo")
+class GroupAdvantage:
+    """GRPO's group-normalised advantage, one scalar per response (``group_advantages``)."""
+
+    needs_critic = False
+
+    def __init__(self, rl):
+        self.rl = rl
+
+    def __call__(self, rows: list[dict], rewards: np.ndarray, critic=None) -> tuple[list[dict] | None, dict]:
+        advantages = group_advantages(rewards, scale=self.rl.scale_rewards).reshape(-1)
+        for row, a in zip(rows, advantages):
+            row["advantages"] = float(a)
+        return None, {}
+
+
+@register_advantage("gae")
+class GAEAdvantage:
+    """PPO with a critic: each response's reward on its last token, the critic's values of the
+    rows (before its update), GAE advantages per token (whitened over the step's response tokens
+    with ``rl.whiten_advantages``) into the policy rows, returns and old values into the critic's."""
+
+    needs_critic = True
+
+    def __init__(self, rl):
+        self.rl = rl
+
+    def __call__(self, rows: list[dict], rewards: np.ndarray, critic=None) -> tuple[list[dict] | None, dict]:
+        import time
+
+        rl = self.rl
+        start = time.perf_counter()
+        values = critic.values(rows)
+        per_row = []
+        for row, reward, v in zip(rows, np.asarray(rewards).reshape(-1).tolist(), values):
+            mask = np.asarray(row["loss_mask"], dtype=bool)
+            positions = np.flatnonzero(mask)
+            token_rewards = np.zeros(len(positions))
+            token_rewards[-1] = reward
+            adv, ret = gae(token_rewards, v[positions], np.ones(len(positions)), gamma=rl.gamma, lam=rl.lam)
+            per_row.append((positions, adv, ret, v))
+        flat = np.concatenate([adv for _, adv, _, _ in per_row])
+        mean, std = (flat.mean(), flat.std()) if rl.whiten_advantages else (0.0, 1.0)
+        critic_rows = []
+        for row, (positions, adv, ret, v) in zip(rows, per_row):
+            n = len(row["input_ids"])
+            advantages, returns = np.full(n, np.nan), np.full(n, np.nan)
+            advantages[positions] = (adv - mean) / (std + 1e-8) if rl.whiten_advantages else adv
+            returns[positions] = ret
+            row["advantages"] = advantages.tolist()
+            critic_rows.append(
+                {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "returns": returns, "old_values": v}
+            )
+        return critic_rows, {"values_s": time.perf_counter() - start, "advantage_std": float(flat.std())}

@@ -39,7 +39,7 @@ from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
 from backend.train.preemption import StopRequest
 
-from .advantages import gae, group_advantages, zero_variance_share
+from .advantages import build_advantage, zero_variance_share
 from .prompts import Prompt, read_prompts
 from .reward import RewardError, load_reward, score
 
@@ -88,7 +88,8 @@ class GRPOLoop:
         self.worker, self.generator, self.critic = worker, generator, critic
         cfg = self.cfg = worker.cfg
         rl = cfg.rl
-        if (rl.advantage == "gae") != (critic is not None):
+        self.advantage = build_advantage(rl)  # rl.advantage's estimator: writes each row's advantages
+        if self.advantage.needs_critic != (critic is not None):
             raise ConfigError(
                 f"rl.advantage={rl.advantage}: "
                 + ("needs a critic (a ValueWorker)" if critic is None else "has no critic")
@@ -175,18 +176,15 @@ class GRPOLoop:
         for part, _ in parts:
             merged.update(part)
         rewards = np.asarray([merged[slot][1] for slot in range(len(ids))], dtype=np.float64)
-        # GRPO's group-normalised advantages (PPO's GAE replaces them per token in gae_advantages)
-        advantages = group_advantages(rewards, scale=rl.scale_rewards)
         rows, lengths, stopped = [], [], []
         for slot in range(len(ids)):
             prompt = self.prompts[int(ids[slot])]
             n = len(prompt.token_ids)
-            for k, (tokens, logprobs, was_stopped) in enumerate(merged[slot][0]):
+            for tokens, logprobs, was_stopped in merged[slot][0]:
                 rows.append(
                     {
                         "input_ids": prompt.token_ids + list(tokens),
                         "loss_mask": [0] * n + [1] * len(tokens),
-                        "advantages": float(advantages[slot, k]),
                         # what the sampler saw, aligned like loss_mask (the prompt's entries unused)
                         "rollout_logprobs": [float("nan")] * n + list(logprobs),
                     }
@@ -207,7 +205,7 @@ class GRPOLoop:
             "generated_tokens": generated,
             "generate_s": generate_s,
             "generate_tokens_per_s": generated / max(generate_s, 1e-9),
-            "_rewards": rewards.reshape(-1).tolist(),  # per row, in row order (popped by step)
+            "_rewards": rewards,  # [prompts, samples], row order flattened (popped by step)
         }
         return rows, metrics
 
@@ -216,12 +214,8 @@ class GRPOLoop:
         worker = self.worker
         step = worker.step + 1
         rows, metrics = self.rollouts(step)
-        critic_rows = None
-        if self.critic is not None:
-            critic_rows, critic_metrics = self.gae_advantages(rows, metrics.pop("_rewards"))
-            metrics.update(critic_metrics)
-        else:
-            metrics.pop("_rewards")
+        critic_rows, estimator_metrics = self.advantage(rows, metrics.pop("_rewards"), self.critic)
+        metrics.update(estimator_metrics)
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
             for row, lp in zip(rows, worker.logprobs(rows)):
@@ -240,35 +234,6 @@ class GRPOLoop:
         row = worker.train_step(rows, extra_metrics=metrics)
         self.sync_weights()  # reported in the next step's row: the weights that step samples with
         return row
-
-    def gae_advantages(self, rows: list[dict], rewards: list[float]) -> tuple[list[dict], dict]:
-        """PPO with the critic: each response's reward on its last token, the critic's values of
-        the rows (before its update), GAE advantages (whitened over the step's response tokens with
-        ``rl.whiten_advantages``) into the policy rows, returns and old values into the critic's."""
-        rl = self.cfg.rl
-        start = time.perf_counter()
-        values = self.critic.values(rows)
-        per_row = []
-        for row, reward, v in zip(rows, rewards, values):
-            mask = np.asarray(row["loss_mask"], dtype=bool)
-            positions = np.flatnonzero(mask)
-            token_rewards = np.zeros(len(positions))
-            token_rewards[-1] = reward
-            adv, ret = gae(token_rewards, v[positions], np.ones(len(positions)), gamma=rl.gamma, lam=rl.lam)
-            per_row.append((positions, adv, ret, v))
-        flat = np.concatenate([adv for _, adv, _, _ in per_row])
-        mean, std = (flat.mean(), flat.std()) if rl.whiten_advantages else (0.0, 1.0)
-        critic_rows = []
-        for row, (positions, adv, ret, v) in zip(rows, per_row):
-            n = len(row["input_ids"])
-            advantages, returns = np.full(n, np.nan), np.full(n, np.nan)
-            advantages[positions] = (adv - mean) / (std + 1e-8) if rl.whiten_advantages else adv
-            returns[positions] = ret
-            row["advantages"] = advantages.tolist()
-            critic_rows.append(
-                {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "returns": returns, "old_values": v}
-            )
-        return critic_rows, {"values_s": time.perf_counter() - start, "advantage_std": float(flat.std())}
 
     def state(self) -> dict:
         return {"prompts": {"sampler": self.sampler.state_dict()}}

@@ -13,9 +13,8 @@ import torch
 from backend.data.iterator import collate_plan
 from backend.distributed.collectives import dist_sum
 from backend.distributed.fsdp import forward_only
-from backend.loss.cross_entropy import window_normaliser
-
-from .step import microbatch_loss_sum, placeholder_microbatch
+from backend.loss.cross_entropy import microbatch_loss_sum, window_normaliser
+from backend.loss.outputs import placeholder_microbatch
 
 
 def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[float, int]:

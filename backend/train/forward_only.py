@@ -1,6 +1,6 @@
 """Forward-only passes: per-token log-probabilities of many samples under a token budget.
 
-Two forms, one computation (``step.microbatch_logprobs``: logit[label] - logsumexp):
+Two forms, one computation (``loss.outputs.microbatch_logprobs``: logit[label] - logsumexp):
 
 - ``compute_logprobs``: a list of samples, planned with the forward budget
   (``train.forward_max_tokens_per_gpu``), right-padded (or packed, as the planner says), run,
@@ -19,8 +19,7 @@ from backend.data.collate import collate, cp_unshard, packed_cp_unshard
 from backend.data.sample import Sample
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 from backend.distributed.fsdp import forward_only
-
-from .step import microbatch_logprobs, microbatch_values, placeholder_microbatch
+from backend.loss.outputs import microbatch_logprobs, microbatch_values, placeholder_microbatch
 
 
 def compute_logprobs(model, samples: list[Sample], env, planner, *, temperature: float = 1.0) -> list[np.ndarray]:

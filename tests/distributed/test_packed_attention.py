@@ -87,9 +87,9 @@ def dp_checks(rank: int, world: int):
     from backend.data.collate import collate
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
+    from backend.loss.outputs import microbatch_token_losses
     from backend.model.factory import build_model
     from backend.train.forward_only import compute_logprobs
-    from backend.train.step import microbatch_token_losses
 
     env = init_distributed(1)
     base = ["model.hidden_size=64", "model.num_layers=2", "data.max_seq_length=256", "train.seed=7"]

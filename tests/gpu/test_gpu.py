@@ -34,8 +34,8 @@ def _batch(device, layout: str = "padded"):
 def backend_vs_sdpa(rank: int, world: int, backend: str, layout: str = "padded"):
     from backend.config import load_config
     from backend.distributed.setup import init_distributed
+    from backend.loss.outputs import microbatch_token_losses
     from backend.model.factory import build_model
-    from backend.train.step import microbatch_token_losses
 
     env = init_distributed(1)
     base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512", "train.seed=3"]
@@ -99,8 +99,8 @@ def oss_backend_vs_sdpa(rank: int, world: int, backend: str, precision: str):
     ``backend`` against sdpa on one padded and one packed microbatch of the same sequences."""
     from backend.config import load_config
     from backend.distributed.setup import init_distributed
+    from backend.loss.outputs import microbatch_token_losses
     from backend.model.factory import build_model
-    from backend.train.step import microbatch_token_losses
 
     env = init_distributed(1)
     base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=1024", "train.seed=3", *OSS]

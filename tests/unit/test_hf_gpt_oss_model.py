@@ -202,8 +202,8 @@ def test_packed_row_trains_like_padded_rows(world, gpt_oss):
     from backend.batching import Microbatch
     from backend.data.collate import collate
     from backend.data.sample import Sample
+    from backend.loss.outputs import microbatch_token_losses
     from backend.model import moe_stats
-    from backend.train.step import microbatch_token_losses
 
     hf_dir, _ = gpt_oss
     model = build_from_hf(hf_dir, world, "model.moe_aux_loss_coeff=0.9", training=True).model

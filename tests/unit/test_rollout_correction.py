@@ -22,9 +22,9 @@ from backend.batching import Microbatch
 from backend.config.schema import LossConfig
 from backend.data.collate import collate
 from backend.data.sample import Sample
+from backend.loss.outputs import sequence_sum
 from backend.loss.policy import kl_penalty, policy_token_terms
 from backend.loss.rollout import correction_weights, mismatch_terms
-from backend.train.step import sequence_sum
 
 CAP, FLOOR = 1.5, 0.7
 

@@ -113,8 +113,8 @@ def token_classifier(tmp_path_factory):
 
 def _our_values(world, hf_dir, tokens):
     from backend.data.collate import MicrobatchTensors
+    from backend.loss.outputs import microbatch_values
     from backend.model.factory import build_model
-    from backend.train.step import microbatch_values
 
     cfg = validate(
         load_config(
