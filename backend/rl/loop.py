@@ -37,7 +37,7 @@ from backend.config import ConfigError
 from backend.data.errors import DataStreamError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
-from backend.train.preemption import StopRequest
+from backend.train.run_loop import run_steps
 
 from .advantages import build_advantage, zero_variance_share
 from .prompts import Prompt, read_prompts
@@ -212,6 +212,8 @@ class GRPOLoop:
     def step(self) -> dict:
         """One loop step (see the module docstring); returns the step's metrics row."""
         worker = self.worker
+        if self.last_sync is None:  # the generator takes the built or resumed weights before the first step
+            self.sync_weights()
         step = worker.step + 1
         rows, metrics = self.rollouts(step)
         critic_rows, estimator_metrics = self.advantage(rows, metrics.pop("_rewards"), self.critic)
@@ -244,31 +246,7 @@ class GRPOLoop:
         return self.worker.save(self.state())
 
     def run(self) -> str:
-        """Steps up to ``train.train_iters``; returns "finished", "preempted" (SIGTERM / SIGUSR1) or
-        "interrupted" (Ctrl-C), the last two after saving the step every rank reached."""
-        cfg, worker = self.cfg, self.worker
-        if worker.step >= cfg.train.train_iters:
-            if worker.env.is_main:
-                log.warning(
-                    "this run already finished: step %d of train.train_iters=%d is checkpointed; nothing to train "
-                    "(raise train.train_iters to continue it)",
-                    worker.step,
-                    cfg.train.train_iters,
-                )
-            return "finished"
-        if self.last_sync is None:
-            self.sync_weights()
-        stop = StopRequest().install()
-        try:
-            while worker.step < cfg.train.train_iters:
-                self.step()
-                if stop.agreed(worker.env):
-                    self.save()
-                    log.warning("stop signal (%s): saved step %d, exiting to be resumed", stop.signal_name, worker.step)
-                    return "interrupted" if stop.signal_name == "SIGINT" else "preempted"
-                interval = cfg.checkpoint.interval
-                if (interval and worker.step % interval == 0) or worker.step == cfg.train.train_iters:
-                    self.save()
-            return "finished"
-        finally:
-            stop.uninstall()
+        """Steps up to ``train.train_iters`` through the engine's one run loop (``run_steps``: the
+        finished check, stop requests, the save rule); returns "finished", "preempted" (SIGTERM /
+        SIGUSR1) or "interrupted" (Ctrl-C), the last two after saving the step every rank reached."""
+        return run_steps(self.worker.engine, self.step, self.save)

@@ -1,4 +1,5 @@
-"""``PolicyWorker``: the trainer fed from memory, for an RL loop in the same process.
+"""``PolicyWorker``: the engine (``backend.train.engine``) driven from memory, for an RL loop in the
+same process: one of the engine's two drivers (the other is ``python -m backend.train``'s).
 
 SPMD, as NeMo-RL's and verl's workers are called: under torchrun every rank constructs the worker
 and calls the same methods with the same arguments (checked: a hash of the rows is compared
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from backend.checkpoint.hf_export import export_fields
 from backend.config import ConfigError, load_config, validate
 from backend.data.errors import DataFormatError
-from backend.data.iterator import planner_from_config, window_data
+from backend.data.iterator import window_data
 from backend.data.memory_rows import rows_dataset
 from backend.data.row_fields import PASS_THROUGH, row_fields
 from backend.data.sample import POLICY_FIELDS
@@ -42,9 +43,9 @@ from backend.distributed.collectives import all_gather_objects
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_from_config, shutdown_distributed
 from backend.errors import UserError
+from backend.train.engine import Engine
 from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
-from backend.train.trainer import Trainer
 
 from . import weights
 
@@ -103,13 +104,13 @@ def check_worker_config(cfg) -> None:
 
 
 class TrainerWorker:
-    """What the policy and the value worker share: a trainer fed from memory in one process of an
+    """What the policy and the value worker share: the engine fed from memory in one process of an
     SPMD world (see the module docstring): build, train_step, save, close."""
 
-    def __init__(self, trainer: Trainer, *, owns_world: bool = False):
-        self.trainer = trainer
+    def __init__(self, engine: Engine, *, owns_world: bool = False):
+        self.trainer = self.engine = engine  # ``trainer``: the name earlier callers read
         self.owns_world = owns_world
-        self.fields = export_fields(trainer.cfg, trainer.model_fields)
+        self.fields = export_fields(engine.cfg, engine.model_fields)
         self.closed = False
 
     @classmethod
@@ -131,12 +132,12 @@ class TrainerWorker:
         if env is None:
             env = init_from_config(cfg)
         try:
-            trainer = Trainer(cfg, env, from_memory=True)
+            engine = Engine(cfg, env)
         except BaseException:
             if owns:
                 shutdown_distributed()
             raise
-        return cls(trainer, owns_world=owns)
+        return cls(engine, owns_world=owns)
 
     # What callers read.
     @property
@@ -253,7 +254,7 @@ class PolicyWorker(TrainerWorker):
         layout and dp x cp."""
         cfg, env = self.cfg, self.env
         dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows")
-        planner = planner_from_config(cfg.train, env.dims, forward=True)
+        planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
@@ -294,7 +295,7 @@ class ValueWorker(TrainerWorker):
         order, on every rank; planned under ``train.forward_max_tokens_per_gpu``."""
         cfg, env = self.cfg, self.env
         dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="values rows")
-        planner = planner_from_config(cfg.train, env.dims, forward=True)
+        planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         out = compute_values(self.trainer.model, samples, env, planner)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in out]

@@ -20,7 +20,7 @@ def valid_losses(rank: int, world: int):
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
     from backend.model.factory import build_model
-    from backend.train.evaluate import validation_loss
+    from backend.train.forward_only import validation_loss
 
     env = init_distributed(1)
     cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "train.seed=11"])

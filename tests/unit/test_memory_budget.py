@@ -201,7 +201,7 @@ def test_a_step_over_its_prediction_warns_and_lowers_the_budget(world, tmp_path,
     assert isinstance(budget, int) and budget % 64 == 0 and trainer.cfg.train.forward_max_tokens_per_gpu == budget
     fit = trainer.memory.fit
     trainer.memory.fit = MemoryFit(fit.a / 4, fit.b / 4, fit.c / 4)  # a fit that under-predicts 4x
-    with caplog.at_level(logging.WARNING, logger="backend.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="backend.train.engine"):
         trainer.train()
     trainer.metrics.close()
     warning = next(r.getMessage() for r in caplog.records if "over the probe's prediction" in r.getMessage())

@@ -1,0 +1,400 @@
+"""The engine: everything a run trains with, built once from the config, fed one window at a time.
+
+Model (the one factory), optimizer, schedule, the measured budget (``auto``), the planner, the
+objective (``loss.type``, registered), the reference model, the memory meter, the run directory's
+lock and record, metrics, save and resume. One optimizer step on a planned window is
+``train_window``; forward-only outputs are ``backend.train.forward_only`` on ``engine.model``.
+
+Two drivers feed it: ``Trainer`` (``python -m backend.train``: windows from ``data.path``, with
+evaluation; ``trainer.py``) and the RL workers (``backend.rl.PolicyWorker`` / ``ValueWorker``:
+windows from rows handed over in memory). A driver adds its data through the hooks below
+(``build_data``, ``shape_buckets``, ``build_stream``, ``restore_stream``, ``stream_state``,
+``replanned``, ``describe_data``, ``stream_metrics``); the engine's own are those of a driver with
+no data set (rows arrive with each call). The run loop both drivers use is ``run_loop.run_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError
+from backend.checkpoint.metrics_rewind import rewind_metrics
+from backend.checkpoint.resume import resume_latest
+from backend.checkpoint.run_lock import hold_run_dirs
+from backend.checkpoint.store import save_checkpoint
+from backend.config import Config, ConfigError, checkpoint_dir, save_config
+from backend.config.run_values import resolve_run_config
+from backend.data.errors import DataError
+from backend.data.iterator import StepData, planner_from_config
+from backend.data.tokenizers import build_tokenizer
+from backend.distributed.collectives import dist_max
+from backend.distributed.setup import check_world_matches_allocation, describe_world
+from backend.logging.console import format_end_summary, format_startup_summary
+from backend.logging.metrics import MetricsLogger, plan_metrics
+from backend.loss.registry import build_loss
+from backend.model.factory import build_model
+
+from .memory_meter import MemoryMeter, resident_tensors
+from .memory_probe import probe_memory
+from .optim import build_optimizer, build_scheduler
+from .rollout import build_reference
+from .step import train_step
+
+log = logging.getLogger(__name__)
+
+
+def describe_experts(num_experts: int, env) -> str | None:
+    """The start-up summary's experts line (None for a dense model): how many a rank computes with."""
+    if not num_experts:
+        return None
+    if env.ep_size == 1:
+        return (
+            f"{num_experts} a layer, all gathered on every rank for each layer (FSDP2 over {env.world_size} rank(s); "
+            "parallel.expert_parallel_size splits them)"
+        )
+    groups = [f"{g}-{g + env.ep_size - 1}" for g in range(0, env.world_size, env.ep_size)]
+    return (
+        f"{num_experts} a layer, EP {env.ep_size}: {num_experts // env.ep_size} on each rank (EP groups: ranks "
+        f"{', '.join(groups)}), tokens sent to them by all-to-all; each rank's experts FSDP2-sharded over "
+        f"{env.world_size // env.ep_size} rank(s)"
+    )
+
+
+def describe_loss(loss) -> str:
+    """The start-up summary's loss line: ``cross_entropy`` or the policy loss's settings."""
+    if loss.type != "policy":
+        return loss.type
+    parts = [
+        f"policy, clip [{1 - loss.ratio_clip_low:g}, {1 + loss.ratio_clip_high:g}]",
+        f"dual clip {loss.dual_clip:g}" if loss.dual_clip else "",
+        f"{loss.kl_estimator} KL x {loss.kl_coef:g} to " + (loss.reference_checkpoint or "rows' ref_logprobs")
+        if loss.kl_coef
+        else "",
+        f"entropy x {loss.entropy_coef:g}" if loss.entropy_coef else "",
+        f"{loss.normalization} normalisation",
+        f"old log-probs: {loss.old_logprobs}"
+        + (f", {loss.minibatches_per_rollout} steps per rollout" if loss.minibatches_per_rollout > 1 else ""),
+    ]
+    return ", ".join(p for p in parts if p)
+
+
+class Engine:
+    """Model, optimizer, schedule, budget, planner, objective, reference, metrics, save / resume
+    (see the module docstring). Built as its drivers need it: ``Engine(cfg, env)`` is fed windows
+    by its caller (the RL workers); ``Trainer(cfg, env)`` adds the data stream."""
+
+    def __init__(self, cfg: Config, env):
+        self.cfg, self.env = cfg, env
+        self.run_dir = Path(cfg.logger.run_dir)
+        self.ckpt_dir = checkpoint_dir(cfg)
+        self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
+        world = describe_world(env)
+        check_world_matches_allocation(world)
+        self.world = world
+        if env.is_main:
+            log.info(
+                "world: %d ranks on %d node(s): %s",
+                env.world_size,
+                len({w["hostname"] + str(w["slurm_node_id"]) for w in world}),
+                ", ".join(f"rank {w['rank']}@{w['hostname']}/node {w['slurm_node_id']}" for w in world),
+            )
+
+        self.tokenizer = self.build_data(cfg)
+        built = build_model(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
+        self.model, self.backend = built.model, built.attention_backend
+        self.model_fields = built.fields  # the architecture as HF export writes it
+        # From here on the config says what the run uses (vocab_size, ffn size, precision, ...).
+        resolved = resolve_run_config(cfg, tokenizer_vocab=self.tokenizer.vocab_size, device_type=env.device.type)
+        self.cfg = cfg = dataclasses.replace(
+            resolved, model=dataclasses.replace(resolved.model, attention_backend=self.backend)
+        )
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
+        self.meter = MemoryMeter(env.device, resident_tensors(self.model, self.optimizer))
+        self.memory = None  # the probe's result with train.max_tokens_per_gpu=auto
+        if cfg.train.max_tokens_per_gpu == "auto":
+            self.cfg = cfg = self.resolve_budget(cfg)
+
+        self.bucket_edges = edges = self.shape_buckets(cfg)
+        if edges and env.is_main:
+            log.info("shape buckets (train.dynamic_batch_max_shapes=%d): %s", cfg.train.dynamic_batch_max_shapes, edges)
+        self.planner = planner_from_config(cfg.train, env.dims, bucket_edges=edges)
+        self.objective = build_loss(cfg.loss)  # loss.type's objective, handed to every step
+        self.policy = cfg.loss.type == "policy"
+        self.reference = (
+            build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
+            if cfg.loss.reference_checkpoint
+            else None
+        )
+        self.build_stream(cfg)
+
+        self.step = 0
+        self.wandb_run_id = None
+        self.resumed_meta: dict | None = None  # the checkpoint's meta.json when this run resumed
+        if cfg.checkpoint.resume and (
+            meta := resume_latest(self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env)
+        ):
+            self.step = meta["step"]
+            self.resumed_meta = meta
+            self.meter.track(resident_tensors(self.model, self.optimizer))  # the loaded optimizer state
+            self.restore_stream(meta)
+            self.wandb_run_id = meta.get("wandb_run_id")
+            loss = cfg.loss
+            rollout = loss.minibatches_per_rollout
+            if self.policy and loss.old_logprobs == "recompute" and self.step % rollout and env.is_main:
+                log.warning(
+                    "resumed after step %d, inside a rollout batch of loss.minibatches_per_rollout=%d windows: the "
+                    "old log-probabilities of the windows from step %d on are recomputed from the resumed weights "
+                    "(a new rollout batch starts there)",
+                    self.step,
+                    rollout,
+                    self.step + 1,
+                )
+        if env.is_main and self.step < cfg.train.train_iters:
+            self.write_run_record()
+        if env.is_main and (dropped := rewind_metrics(self.run_dir / "metrics.jsonl", self.step)):
+            log.info("metrics.jsonl: dropped %d row(s) past step %d (written before a restart)", dropped, self.step)
+        self.metrics = MetricsLogger(
+            self.run_dir, cfg.train.train_iters, enabled=env.is_main, log_interval=cfg.logger.log_interval
+        )
+        self.num_parameters = built.num_parameters
+        self.last_checkpoint: Path | None = None
+        if env.is_main:
+            log.info("%s", format_startup_summary(self.startup_info()))
+
+    # The driver's hooks: these are the engine's own, for windows handed over by the caller.
+    def build_data(self, cfg):
+        """Build the driver's data; returns the tokenizer (the vocabulary the model is sized for)."""
+        self.oversampling = 1.0
+        return build_tokenizer(cfg.data.tokenizer, eod=cfg.data.append_eod)
+
+    def shape_buckets(self, cfg) -> list[int] | None:
+        """Shape-bucket edges for the planner (from a data set's lengths); none without one."""
+        return None
+
+    def build_stream(self, cfg) -> None:
+        """The driver's window stream (none: windows arrive with each call)."""
+
+    def restore_stream(self, meta: dict) -> None:
+        """Put the driver's stream where the checkpoint ``meta`` left it."""
+
+    def stream_state(self) -> dict | None:
+        """The driver's stream position for a checkpoint (None: no stream)."""
+        return None
+
+    def replanned(self) -> None:
+        """``self.planner`` was replaced (a lower budget): the driver's stream plans with it from now on."""
+
+    def describe_data(self) -> dict:
+        """The start-up summary's data lines."""
+        return {
+            "data_source": "rows handed over in memory, one optimizer window per call",
+            "lengths": None,
+            "ignored_fields": None,
+        }
+
+    def stream_metrics(self) -> dict:
+        """The driver's per-step numbers (waiting for data, forward-only passes)."""
+        return {}
+
+    # The engine.
+    def resolve_budget(self, cfg):
+        """``train.max_tokens_per_gpu: auto`` measured (``memory_probe``): the config with the number."""
+        try:
+            self.memory = probe_memory(
+                self.model, self.optimizer, cfg, self.env, backend=self.backend, meter=self.meter
+            )
+        except BudgetError as e:
+            raise ConfigError(f"train.max_tokens_per_gpu=auto: {e}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.env.is_main:
+            log.info("%s", self.memory.summary())
+        budget = self.memory.budget
+        train = dataclasses.replace(cfg.train, max_tokens_per_gpu=budget)
+        if cfg.train.forward_max_tokens_per_gpu in (0, "auto"):  # forward-only passes: the same fit and budget
+            train = dataclasses.replace(train, forward_max_tokens_per_gpu=budget)
+        return dataclasses.replace(cfg, train=train)
+
+    def forward_planner(self):
+        """The planner of forward-only passes (log-probabilities, values, validation):
+        ``train.forward_max_tokens_per_gpu`` in the configured layout and dp x cp."""
+        return planner_from_config(self.cfg.train, self.env.dims, forward=True)
+
+    def check_memory(self, data: StepData, peak: int) -> dict:
+        """The step's measured peak against the fit's prediction for its largest microbatch; over by
+        more than 5% on any rank: a warning with both numbers, and with ``auto`` a lower budget for
+        the windows planned from now on (never a higher one). Returns what the step row records
+        beside the measured peak (nothing without ``auto``): this rank's prediction and the worst
+        rank's measured / predicted ratio."""
+        if self.memory is None:
+            return {}
+        cp = self.env.cp_size
+        predicted = max(
+            (self.memory.fit.predict(mb.cost, mb.area / cp) for mb in data.plan.microbatches(self.env.dp_rank)),
+            default=self.memory.fit.a,
+        )
+        ratio = float(dist_max(peak / predicted, self.env.device, group=self.env.group("world")))
+        row = {"predicted_peak_bytes": predicted, "peak_over_prediction_max_rank": ratio}
+        if ratio <= 1.05:
+            return row
+        budget = self.cfg.train.max_tokens_per_gpu
+        lower = max(BUDGET_QUANTUM, int(budget / ratio) // BUDGET_QUANTUM * BUDGET_QUANTUM)
+        if self.env.is_main:
+            log.warning(
+                "step %d: measured peak memory %.1f MiB is %.0f%% over the probe's prediction %.1f MiB (on the worst "
+                "rank); train.max_tokens_per_gpu %d -> %d for the windows planned from now on",
+                self.step,
+                peak / 2**20,
+                (ratio - 1) * 100,
+                predicted / 2**20,
+                budget,
+                lower,
+            )
+        if lower < budget:
+            self.cfg = dataclasses.replace(
+                self.cfg, train=dataclasses.replace(self.cfg.train, max_tokens_per_gpu=lower)
+            )
+            self.planner = planner_from_config(self.cfg.train, self.env.dims, bucket_edges=self.bucket_edges)
+            self.replanned()
+        return row
+
+    def write_run_record(self) -> None:
+        """config.yaml (the config this run trains with) and world.json, written only by a start that
+        will train: a start with nothing left to train changes no file of the run directory. A
+        resume with another config keeps the earlier one beside it as
+        ``config.before_step_NNNNNNNN.yaml`` (the config that trained up to that step)."""
+        path = self.run_dir / "config.yaml"
+        if path.is_file() and self.step:
+            earlier = path.read_text(encoding="utf-8")
+            save_config(self.cfg, path)
+            if path.read_text(encoding="utf-8") != earlier:
+                (self.run_dir / f"config.before_step_{self.step:08d}.yaml").write_text(earlier, encoding="utf-8")
+        else:
+            save_config(self.cfg, path)
+        (self.run_dir / "world.json").write_text(json.dumps(self.world, indent=1))
+
+    def startup_info(self) -> dict:
+        """What the start-up summary shows: model, parallel layout, attention, data, batching, schedule."""
+        cfg, env = self.cfg, self.env
+        return {
+            "validation": None,
+            "model": cfg.model.hf_checkpoint
+            if getattr(cfg.model, "hf_checkpoint", "")
+            else f"GPTModel {cfg.model.num_layers} layers x {cfg.model.hidden_size}",
+            "parameters": self.num_parameters,
+            "dp": env.dp_size,
+            "cp": env.cp_size,
+            "world_size": env.world_size,
+            "parallel": env.dims.sizes(),
+            "experts": describe_experts(cfg.model.num_moe_experts, env),
+            "device": env.device.type,
+            "precision": cfg.train.precision,
+            "attention_backend": self.backend,
+            "recompute": cfg.model.recompute_granularity,
+            "logits_chunk_tokens": cfg.model.logits_chunk_tokens,
+            **self.describe_data(),
+            "max_seq_length": cfg.data.max_seq_length,
+            "global_batch_size": cfg.train.global_batch_size,
+            "batching": {
+                "dynamic": cfg.train.dynamic_batch_enable,
+                "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu,
+                "micro_batch_size": cfg.train.micro_batch_size,
+            },
+            "train_iters": cfg.train.train_iters,
+            "start_step": self.step,
+            "schedule": f"{cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_iters}",
+            "run_dir": str(self.run_dir),
+            "loss": describe_loss(cfg.loss),
+        }
+
+    def end_summary(self, status: str) -> None:
+        """Steps, tokens, wall time, tokens/s, padding efficiency, valid loss, where the checkpoint is."""
+        self.metrics.close()
+        if self.env.is_main:
+            info = {
+                **self.metrics.totals(),
+                "status": status,
+                "wall_time_s": time.monotonic() - self.metrics.started,
+                "checkpoint": str(self.last_checkpoint or self.ckpt_dir),
+                "run_dir": str(self.run_dir),
+            }
+            log.info("%s", format_end_summary(info))
+
+    def attach_wandb(self, run) -> None:
+        """Send metrics to ``run`` too; its id is stored in checkpoints so a resume continues it."""
+        if run is not None:
+            self.metrics.wandb_run = run
+            self.wandb_run_id = run.id
+
+    def train_window(
+        self, data: StepData, data_time: float, *, source: str, report=None, extra: dict | None = None
+    ) -> dict:
+        """One optimizer step on ``data`` (step ``self.step``, already counted): the guards, the
+        update, the memory check and the step row (``extra`` merged into it); returns the row."""
+        if data.global_loss_tokens == 0:
+            ids = [int(i) for i in data.window_ids[:8]]
+            raise DataError(
+                f"{source}: step {self.step}: the window's {len(data.window_ids)} samples (indices "
+                f"{ids}{' ...' if len(data.window_ids) > 8 else ''}) hold no loss tokens (every loss_mask is 0), so "
+                f"there is nothing to train on; check the data's loss_mask (or its chat template's assistant turns)"
+            )
+        with self.meter.step():
+            out = train_step(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                data,
+                self.env,
+                clip_grad=self.cfg.optimizer.clip_grad,
+                step=self.step,
+                objective=self.objective,
+            )
+        out["peak_memory_bytes"] = self.meter.peak_bytes
+        out.update(self.check_memory(data, self.meter.peak_bytes))
+        return self.log_step(data, out, data_time, report=report, extra=extra)
+
+    def log_step(self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None) -> dict:
+        """Step metrics (train_step's, the plan's, the data's and ``extra``) to the console, jsonl and wandb."""
+        metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
+        metrics["data_time_s"] = data_time
+        metrics.update(self.stream_metrics())
+        metrics["tokens_per_s"] = metrics["tokens"] / out["step_time_s"]
+        metrics["loss_tokens"] = data.global_loss_tokens
+        metrics["oversampling_factor"] = self.oversampling
+        if report is not None:
+            metrics.update(report.as_dict())
+        metrics.update(extra or {})
+        self.metrics.log(metrics)
+        return metrics
+
+    def should_save(self) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters
+
+    def save(self, state: dict | None = None) -> Path:
+        """A checkpoint of this step. ``state``: the caller's own resumable state (JSON), stored as
+        ``meta.json``'s ``caller_state`` (the RL loop's prompt stream); a run fed from memory has no
+        data-stream position (``data`` null: the CLI resuming it starts data.path from the start)."""
+        extra = {
+            "data": self.stream_state(),
+            "wandb_run_id": self.wandb_run_id,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        if state is not None:
+            extra["caller_state"] = state
+        self.last_checkpoint = save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            env=self.env,
+            extra=extra,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        return self.last_checkpoint
