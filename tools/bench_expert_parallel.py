@@ -85,8 +85,8 @@ def _arm(args, ep: int, counts: dict) -> dict:
     from backend.distributed.collectives import all_gather_objects, dist_max
     from backend.distributed.setup import init_distributed
     from backend.model import moe_stats
-    from backend.model.builder import token_losses
     from backend.model.factory import build_model
+    from backend.model.forward import token_losses
 
     env = init_distributed(1, ep_size=ep)
     cfg = validate(load_config(None, [*_overrides(args), f"parallel.expert_parallel_size={ep}"]), env.world_size)

@@ -32,8 +32,8 @@ def run(args, max_shapes: int) -> dict:
     from backend.data.collate import collate
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
-    from backend.model.builder import token_losses
     from backend.model.factory import build_model
+    from backend.model.forward import token_losses
 
     env = init_distributed(1)
     overrides = ["model.hidden_size=256", "model.num_layers=1", "model.attention_backend=flex"]

@@ -12,7 +12,7 @@ import torch
 
 from backend.data.collate import MicrobatchTensors
 from backend.distributed.collectives import dist_sum
-from backend.model.builder import token_logprobs, token_losses, token_values
+from backend.model.forward import token_logprobs, token_losses, token_values
 
 
 def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:

@@ -21,11 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.config.run_values import padded_vocab
 from backend.distributed.fsdp import wrap_fsdp
 
 from .attention import resolve_backend
-from .builder import build_gpt, is_value_head, model_fields, padded_vocab
+from .builder import build_gpt
 from .expert_parallel import place_experts
+from .fields import is_value_head, model_fields
+from .forward import OutputSettings, output_settings, set_output_settings
 from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
@@ -77,13 +80,14 @@ def _configure_output(model, cfg, *, tokenizer_vocab: int, vocab: int) -> None:
     does, and so does a vocabulary the user sized (``model.vocab_size`` other than that rounding)."""
     chunk = cfg.model.logits_chunk_tokens
     if is_value_head(cfg.model):  # a critic's head has one output, no vocabulary
-        model._logits_chunk_tokens, model._vocab_limit = 0, None
+        set_output_settings(model, OutputSettings())
         return
     if chunk:
         install_chunked_output(model)
-    model._logits_chunk_tokens = chunk
     padded = not cfg.model.hf_checkpoint and tokenizer_vocab < vocab == -(-tokenizer_vocab // 128) * 128
-    model._vocab_limit = tokenizer_vocab if padded else None
+    set_output_settings(
+        model, OutputSettings(logits_chunk_tokens=chunk, vocab_limit=tokenizer_vocab if padded else None)
+    )
 
 
 def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty: bool = False) -> BuiltModel:
@@ -152,14 +156,13 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             "bf16" if bf16 else "fp32",
             backend if m.recompute_granularity == "none" else f"{backend}, recompute {m.recompute_granularity}",
         )
-        if m.logits_chunk_tokens or model._vocab_limit:
+        limit = output_settings(model).vocab_limit
+        if m.logits_chunk_tokens or limit:
             log.info(
                 "output layer: %s%s",
                 f"log-probabilities {m.logits_chunk_tokens} tokens at a time (model.logits_chunk_tokens)"
                 if m.logits_chunk_tokens
                 else "whole logits",
-                f"; softmax over the tokenizer's {model._vocab_limit} ids of {vocab} rows"
-                if model._vocab_limit
-                else "",
+                f"; softmax over the tokenizer's {limit} ids of {vocab} rows" if limit else "",
             )
     return BuiltModel(model, backend, num_parameters, vocab, bf16, fields)

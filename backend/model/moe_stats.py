@@ -22,7 +22,7 @@ packed layout (``segment_ids``), so padded, packed and fixed plans add the same 
 How: ``install(model, coeff)`` wraps each ``TopKRouter.routing`` (per instance): the logits and
 the router's top-k choice of every routed microbatch are seen once, and padding tokens are then
 routed to no expert (a padded dynamic microbatch's padding costs no expert GEMM);
-``routing_context`` (``builder.token_losses``) tells the wrapper which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
+``routing_context`` (``forward.token_losses``) tells the wrapper which tokens are real. ``forward_backward`` adds ``take_microbatch_aux(model) / N_window``
 to each microbatch's loss and calls ``window_metrics`` at the end of the window:
 
 - ``moe_aux_loss``: the window's per-sample switch loss averaged over samples and layers
@@ -159,8 +159,7 @@ def install(model: torch.nn.Module, coeff: float) -> MoEStats | None:
     for i, r in enumerate(routers):
         stats._index[id(r)] = i
         r.routing = functools.partial(_routing, r, type(r).routing.__get__(r), stats)
-    model._moe_stats = stats
-    model._moe_routers = True
+    model._moe_stats = stats  # read through stats_of (the forward enters routing_context when present)
     return stats
 
 

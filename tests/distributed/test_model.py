@@ -17,8 +17,8 @@ def model_checks(rank: int, world: int):
     from backend.data.collate import collate
     from backend.data.sample import Sample
     from backend.distributed.setup import init_distributed
-    from backend.model.builder import token_losses
     from backend.model.factory import build_model
+    from backend.model.forward import token_losses
     from backend.train.forward_only import compute_logprobs
 
     env = init_distributed(1)

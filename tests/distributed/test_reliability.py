@@ -143,7 +143,7 @@ def test_no_fsdp_view_warning_on_a_one_row_microbatch():
     code = (
         "import warnings, torch; warnings.simplefilter('always');"
         "from backend.config import load_config; from backend.distributed.setup import init_distributed;"
-        "from backend.model.builder import token_losses; from backend.model.factory import build_model;"
+        "from backend.model.forward import token_losses; from backend.model.factory import build_model;"
         "env = init_distributed(1); cfg = load_config(None, ['model.hidden_size=64', 'model.num_layers=1']);"
         "m = build_model(cfg, env, tokenizer_vocab=256).model;"
         "t = torch.randint(0, 256, (1, 16)); p = torch.arange(16)[None];"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from backend.config import load_config
+from backend.config.run_values import padded_vocab
 from backend.data.build import build_dataset
 from backend.data.errors import DataError, DataFileError, TokenizerError
 from backend.data.indexed import IndexedTokenDataset
 from backend.data.jsonl import read_jsonl
 from backend.data.tokenizers import BYTE_EOD_ID, ByteTokenizer, HFTokenizer, build_tokenizer
-from backend.model.builder import padded_vocab
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = [

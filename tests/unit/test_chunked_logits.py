@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from backend.config import load_config, validate
+from backend.model.forward import output_settings
 from backend.model.output import chunked_logprobs
 from tests.conftest import TINY
 from tests.helpers.in_process import train_in_process
@@ -106,7 +107,7 @@ def test_the_trainer_gives_the_unchunked_numbers(world, tmp_path, setting):
     results = {chunk: _train(world, tmp_path, chunk, extra) for chunk in (0, 7, 100)}  # 7 divides no row
     base_rows, base_weights, model = results[0]
     if setting == "ce_padded_vocab":
-        assert model._vocab_limit == 257 and model.embedding.word_embeddings.weight.shape[0] == 384
+        assert output_settings(model).vocab_limit == 257 and model.embedding.word_embeddings.weight.shape[0] == 384
     keys = ["loss", "grad_norm"] + (["pg_loss", "entropy"] if setting.startswith("policy") else [])
     for chunk in (7, 100):
         rows, weights, _ = results[chunk]
@@ -142,7 +143,7 @@ def test_the_probe_measures_the_output_layer_per_token_cost_falling(world):
             )
         )
         built = build_model(cfg, world, tokenizer_vocab=256)
-        assert built.model._vocab_limit is None  # a vocabulary the user sized: every row in the softmax
+        assert output_settings(built.model).vocab_limit is None  # a vocabulary the user sized: every row in the softmax
         optimizer = build_optimizer(built.model, cfg.optimizer)
         meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
         fits[chunk] = probe_memory(built.model, optimizer, cfg, world, backend=built.attention_backend, meter=meter)

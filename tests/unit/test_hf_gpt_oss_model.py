@@ -135,8 +135,8 @@ def test_export_loads_in_transformers_with_equal_logits(world, gpt_oss, tmp_path
 
 def test_gpt_oss_20b_recipe_on_meta_device(world):
     from backend.config import load_config, validate
-    from backend.model.builder import model_family
     from backend.model.factory import meta_model
+    from backend.model.fields import model_family
 
     cfg = validate(load_config(REPO / "configs" / "gpt_oss_20b_dynamic.yaml", ["model.hf_checkpoint=''"]), 8)
     assert model_family(cfg.model) == "gpt_oss" and cfg.model.attention_backend == "flex"
@@ -149,7 +149,7 @@ def test_right_padding_changes_no_gradient_and_no_router_statistic(world, gpt_os
     """Extra right padding (and a zero-weight placeholder row) leaves gradients and router counts
     unchanged, and no padding token reaches an expert (the experts compute real tokens only)."""
     from backend.model import moe_stats
-    from backend.model.builder import token_losses
+    from backend.model.forward import token_losses
     from backend.model.grouped_experts import grouped_experts_class
 
     hf_dir, _ = gpt_oss

@@ -22,8 +22,8 @@ from tests.conftest import REPO
     ],
 )
 def test_recipe_architecture_is_the_released_model(world, recipe, params, family, head_dim):
-    from backend.model.builder import model_family
     from backend.model.factory import meta_model
+    from backend.model.fields import model_family
 
     cfg = validate(load_config(REPO / "configs" / f"{recipe}.yaml", ["model.hf_checkpoint=''"]), world_size=8)
     assert cfg.data.tokenizer == "byte"  # auto without a checkpoint

@@ -189,7 +189,7 @@ def test_verl_low_var_kl_clamp_and_clipfrac_lower():
 
 
 def test_temperature_divides_the_logits_before_log_softmax_and_entropy():
-    from backend.model import builder
+    from backend.model import forward as builder
 
     logits = torch.randn(2, 5, 11, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))

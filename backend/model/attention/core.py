@@ -74,7 +74,7 @@ def core_attention_class(backend: str) -> type:
             ctx: AttentionContext = attention_mask
             if not isinstance(ctx, AttentionContext):
                 raise TypeError(
-                    "CoreAttention needs an AttentionContext as attention_mask (see backend.model.builder.token_losses)"
+                    "CoreAttention needs an AttentionContext as attention_mask (see backend.model.forward.token_losses)"
                 )
             s, b = query.shape[0], query.shape[1]
             cos, sin = ctx.rope(self.rope_spec, query.dtype)
