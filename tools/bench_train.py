@@ -25,8 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def build(env, args):
     from backend.config import load_config

@@ -11,7 +11,7 @@ probabilities) that runs on any device with torch alone: each projection is one
 compute capability 9.x, i.e. H100/H200), with a per-expert loop where the kernel does not
 apply (other GPUs, FP32 on CUDA, dimensions not multiples of 8 in 16-bit dtypes). On CUDA each
 expert's token group is padded with zero-probability rows to a multiple of 8 (the kernel's
-alignment). ``tools/bench_moe_experts.py`` times the grouped and the per-expert path side by side
+alignment). ``tools/bench/bench_moe_experts.py`` times the grouped and the per-expert path side by side
 (CPU, FP32, GPT-OSS-20B's layer at a quarter of its width, 32 experts top 4: 2.45x).
 
 Parameters are stacked per expert, in the layout the GEMM wants (in-major, ``x @ W``), which is

@@ -263,10 +263,10 @@ def test_ep2_import_export_and_logprobs(tmp_path, trained):
 
 
 def test_bench_expert_parallel_reports_both_arms():
-    """tools/bench_expert_parallel.py at its smallest (2 ranks, EP 1 and 2): EP 2 computes with half
+    """tools/bench/bench_expert_parallel.py at its smallest (2 ranks, EP 1 and 2): EP 2 computes with half
     the experts, exchanges tokens, and gathers fewer weight bytes than EP 1."""
     proc = _run(
-        [sys.executable, "tools/bench_expert_parallel.py", "--nproc", "2", "--eps", "1,2", "--tokens", "64"]
+        [sys.executable, "tools/bench/bench_expert_parallel.py", "--nproc", "2", "--eps", "1,2", "--tokens", "64"]
         + ["--steps", "1", "--scale", "0.03", "--json"]
     )
     arms = {a["ep"]: a for a in json.loads(proc.stdout.strip().splitlines()[-1])["arms"]}

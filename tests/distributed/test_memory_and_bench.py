@@ -110,7 +110,7 @@ def test_bench_train_quick_run_reports_every_key(tmp_path):
 
 def test_gpu_check_says_why_it_cannot_run_on_cpu(tmp_path):
     proc = subprocess.run(
-        ["bash", "tools/gpu_check.sh", str(tmp_path)],
+        ["bash", "tools/env/gpu_check.sh", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -173,7 +173,7 @@ def test_a_file_larger_than_the_memory_it_may_use_streams_through(tmp_path):
 
 
 def test_preprocess_reads_parquet_like_jsonl(sources, tmp_path):
-    from tools.preprocess_data import main as preprocess
+    from backend.commands.preprocess_data import main as preprocess
 
     assert preprocess(["--input", str(sources["jsonl"]), "--output-prefix", str(tmp_path / "j")]) == 0
     assert preprocess(["--input", str(sources["shards"]), "--output-prefix", str(tmp_path / "p")]) == 0

@@ -1,7 +1,7 @@
 """Ready for the GPU machine (one H200, Python 3.12, no network) without having one here.
 
 The wheelhouse itself is not downloaded in CI: these tests read the declared lists
-(tools/gpu_image_packages.txt, tools/gpu_wheelhouse.txt), run tools/gpu_check.sh on this CPU
+(tools/env/gpu_image_packages.txt, tools/env/gpu_wheelhouse.txt), run tools/env/gpu_check.sh on this CPU
 machine (exit 3 with its reason) and the offline installer against an empty folder (exit 2 naming
 the missing wheel) and against a folder of stand-in wheels, with every index pointed at a closed
 port: about 5 s in all.
@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_wheels", REPO / "tools" / "gpu_wheels.py")
+_spec = importlib.util.spec_from_file_location("gpu_wheels", REPO / "tools" / "env" / "gpu_wheels.py")
 gpu_wheels = sys.modules.setdefault("gpu_wheels", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(gpu_wheels)  # registered first: its dataclass looks its module up
 
@@ -96,7 +96,7 @@ def test_carried_packages_need_only_what_the_image_or_wheelhouse_holds():
         requires = [Requirement(r) for r in importlib.metadata.requires(e.name) or []]
         for req in gpu_wheels.needed(requires, frozenset(), gpu_wheels.TARGET_ENV):
             dep = canonicalize_name(req.name)
-            assert dep in IMAGE or dep in CARRIED, f"{e.name} needs {req}: add it to tools/gpu_wheelhouse.txt"
+            assert dep in IMAGE or dep in CARRIED, f"{e.name} needs {req}: add it to tools/env/gpu_wheelhouse.txt"
         checked += 1
     if not checked:
         pytest.skip("no pinned wheelhouse package is installed here at its pinned version")
@@ -106,9 +106,9 @@ def test_gpu_check_exits_3_with_its_reason_on_cpu(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is visible: tools/gpu_check.sh would run the whole check")
+        pytest.skip("a CUDA device is visible: tools/env/gpu_check.sh would run the whole check")
     out = subprocess.run(
-        ["bash", str(REPO / "tools" / "gpu_check.sh"), str(tmp_path)],
+        ["bash", str(REPO / "tools" / "env" / "gpu_check.sh"), str(tmp_path)],
         capture_output=True,
         text=True,
         env={**OFFLINE_ENV, "PYTHON": sys.executable},
@@ -122,7 +122,7 @@ def test_gpu_check_exits_3_with_its_reason_on_cpu(tmp_path):
 
 def _install(wheelhouse: Path, target: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(REPO / "tools" / "gpu_install_offline.sh"), "--wheelhouse", str(wheelhouse)]
+        ["bash", str(REPO / "tools" / "env" / "gpu_install_offline.sh"), "--wheelhouse", str(wheelhouse)]
         + ["--python", sys.executable, "--target", str(target)],
         capture_output=True,
         text=True,

@@ -211,10 +211,10 @@ def test_messages_rows_in_training_data_and_preprocess(tmp_path):
     with the same tokens and assistant-only masks; a bad row names file and line."""
     from types import SimpleNamespace
 
+    from backend.commands.preprocess_data import main as preprocess
     from backend.data.build import build_dataset
     from backend.data.indexed import IndexedTokenDataset
     from tests.helpers.hf_tiny import save_tiny_tokenizer
-    from tools.preprocess_data import main as preprocess
 
     tok = save_tiny_tokenizer(tmp_path / "tok", PLAIN)
     rows = tmp_path / "chat.jsonl"

@@ -212,7 +212,7 @@ def test_a_step_over_its_prediction_warns_and_lowers_the_budget(world, tmp_path,
 
 
 def test_adversarial_windows_stay_under_the_prediction(world, tmp_path):
-    """The CPU mirror of gpu_check's adversarial run (tools/memory_adversary.py): windows of only
+    """The CPU mirror of gpu_check's adversarial run (tools/bench/memory_adversary.py): windows of only
     maximum-length rows, one maximum-length row among short ones, only short rows, each trained at
     the budget auto resolves under a limit small enough that the window cap does not bind."""
     from backend.bench.memory_adversary import PHASES, run_phase

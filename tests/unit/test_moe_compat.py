@@ -240,7 +240,7 @@ def test_bench_moe_experts_runs_both_arms():
     from tests.conftest import REPO
 
     out = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_moe_experts.py"), "--tokens", "64", "--scale", "0.02"]
+        [sys.executable, str(REPO / "tools" / "bench" / "bench_moe_experts.py"), "--tokens", "64", "--scale", "0.02"]
         + ["--experts", "4", "--topk", "2", "--repeats", "1", "--json"],
         capture_output=True,
         text=True,

@@ -1,7 +1,8 @@
-"""tools/plot_plan.py and tools/plot_metrics.py: PNGs written, decodable, of the promised size."""
+"""tools/plot/plot_plan.py and tools/plot_metrics.py: PNGs written, decodable, of the promised size."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -16,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    if name == "plot_metrics":  # a user command: tools/plot_metrics.py runs backend.commands.plot_metrics
+        return importlib.import_module("backend.commands.plot_metrics")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "plot" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

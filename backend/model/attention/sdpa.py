@@ -5,7 +5,7 @@ Shapes: q [b, h, sq, d], k / v [b, hk, sk, d] (grouped-query when hk < h; keys C
 
 - **Padded rows, no window or sinks**: one call with the microbatch's dense mask (``masks``).
 - **Packed rows**: one call per sequence on views of q/k/v, so time and memory follow
-  sum(l_i^2), never the row's square (``tools/bench_packed_attention.py``). Under CP the keys
+  sum(l_i^2), never the row's square (``tools/bench/bench_packed_attention.py``). Under CP the keys
   are all-gathered once per layer and each sequence's real keys picked in position order with one
   ``index_select``.
 - **Sinks** (GPT-OSS ``self_attn.sinks``, one logit s_h per head): an extra key every query sees,

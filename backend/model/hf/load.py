@@ -7,7 +7,7 @@ src_data_rank=None)``: every rank reads the same file and keeps its own slice, w
 communication. A parameter copied from one HF tensor (embedding, output layer, o_proj, down_proj,
 norms) is read as just this rank's rows; only the fused ones (QKV, gate+up) are assembled in full,
 so the peak extra host memory is one fused layer parameter, not the 0.62 GB FP32 embedding of a
-0.5B Qwen3 (measured with tools/bench_hf_load.py). GPT-OSS's stacked experts ([E, ...], FSDP2
+0.5B Qwen3 (measured with tools/bench/bench_hf_load.py). GPT-OSS's stacked experts ([E, ...], FSDP2
 shards E) are read as this rank's experts only, MXFP4 pairs sliced before they are dequantised.
 
 Checks, before and after: every needed tensor exists (before anything is read), every shape

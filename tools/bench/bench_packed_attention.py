@@ -7,7 +7,7 @@ random q/k/v. Beside it: the same row as ONE sequence (sum l^2 = row^2: what a p
 row's square costs) and, for reference, SDPA with the dense (row x row) document mask. The time
 ratio packed / one-sequence is printed beside the area ratio sum(l_i^2) / row^2.
 
-    python tools/bench_packed_attention.py [--row 16384] [--cap 4096] [--json]
+    python tools/bench/bench_packed_attention.py [--row 16384] [--cap 4096] [--json]
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def row_lengths(total: int, cap: int, seed: int) -> list[int]:

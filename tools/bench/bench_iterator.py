@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Data-iterator overhead per optimizer step: plan, then collate and CP-cut this rank's microbatches.
 
-    python tools/bench_iterator.py --dp 8 --cp 2 --global-batch-size 512 --json
-    python tools/bench_iterator.py --layout packed --global-batch-size 4096 --json
+    python tools/bench/bench_iterator.py --dp 8 --cp 2 --global-batch-size 512 --json
+    python tools/bench/bench_iterator.py --layout packed --global-batch-size 4096 --json
 
 Reports, per step, the planner's time alone and the whole iterator step on one rank (plan +
 reading samples + right-padding + CP cut), in milliseconds and as a multiple of the plan time.
@@ -20,11 +20,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.batching import PlanArgs, make_planner  # noqa: E402
 from backend.bench.length_sets import LENGTH_SETS, synthetic_lengths  # noqa: E402

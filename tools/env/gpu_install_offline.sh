@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Install the carried wheelhouse on the GPU machine, offline, beside the image's own packages:
-#   bash tools/gpu_install_offline.sh [--wheelhouse DIR] [--python PY] [--target DIR]
-# Defaults: gpu_wheelhouse/ (built by tools/gpu_wheelhouse.sh), $PYTHON else python3, .gpu_site/.
+#   bash tools/env/gpu_install_offline.sh [--wheelhouse DIR] [--python PY] [--target DIR]
+# Defaults: gpu_wheelhouse/ (built by tools/env/gpu_wheelhouse.sh), $PYTHON else python3, .gpu_site/.
 # Wheels go into the target folder (pip --target), never into the image: its torch 2.11.0+cu130
 # and everything else stay as they are; callers put the folder first on PYTHONPATH, as
-# tools/gpu_check.sh does. Which wheels: every `required` and `optional` line of
-# tools/gpu_wheelhouse.txt, and a `floor` line only where this interpreter's copy is too old.
+# tools/env/gpu_check.sh does. Which wheels: every `required` and `optional` line of
+# tools/env/gpu_wheelhouse.txt, and a `floor` line only where this interpreter's copy is too old.
 # No index, no configuration (that could name one), so nothing is fetched: a missing wheel stops it
 # before pip starts, naming the package. Exit 0 when installed, 2 when not (never 3: gpu_check.sh
 # keeps 3 for "no CUDA device"). About 10 s for the 26.5 MiB of wheels (no byte-compiling).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 wheelhouse=gpu_wheelhouse
 py="${PYTHON:-python3}"
 target=.gpu_site
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
 done
 
 # Which wheels, for this interpreter; names every missing required wheel and exits 2.
-files=$("$py" tools/gpu_wheels.py plan "$wheelhouse") || exit 2
+files=$("$py" tools/env/gpu_wheels.py plan "$wheelhouse") || exit 2
 if [ -z "$files" ]; then
   echo "gpu_install_offline: nothing to install"
   exit 0
@@ -49,5 +49,5 @@ echo "gpu_install_offline: installed $(echo "$files" | wc -l) wheels from $wheel
 
 # Every dependency of every declared package satisfied, as this interpreter sees them now.
 export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
-"$py" tools/gpu_wheels.py check-installed || exit 2
+"$py" tools/env/gpu_wheels.py check-installed || exit 2
 "$py" -c "import megatron.core, omegaconf" || { echo "gpu_install_offline: megatron.core or omegaconf does not import" >&2; exit 2; }

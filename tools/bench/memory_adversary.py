@@ -3,8 +3,8 @@
 the maximum length, one maximum-length sequence among short ones, only short ones. Prints a table
 (and ``--json`` one object); exits 1 if a step measured over its prediction.
 
-    python tools/memory_adversary.py configs/quickstart.yaml train.memory_limit_gib=0.5 --steps 9
-    python tools/memory_adversary.py configs/quickstart.yaml --fraction 0.5 --steps 20   # CUDA
+    python tools/bench/memory_adversary.py configs/quickstart.yaml train.memory_limit_gib=0.5 --steps 9
+    python tools/bench/memory_adversary.py configs/quickstart.yaml --fraction 0.5 --steps 20   # CUDA
 
 On CUDA, ``--fraction F`` caps the caching allocator at F of the device
 (``torch.cuda.set_per_process_memory_fraction``) and sets ``train.memory_limit_gib`` to that cap, so
@@ -19,8 +19,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How often compiled FlexAttention recompiles over a run, with and without shape buckets (CUDA).
 
-    python tools/flex_compile_count.py [--steps 6] [--max-shapes 4] [--json]
+    python tools/bench/flex_compile_count.py [--steps 6] [--max-shapes 4] [--json]
 
 Every distinct (rows, padded length) a microbatch brings is a new shape for ``torch.compile``;
 ``train.dynamic_batch_max_shapes`` caps the distinct padded lengths. This runs the same windows
@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(args, max_shapes: int) -> dict:

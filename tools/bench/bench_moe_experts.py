@@ -8,7 +8,7 @@ already routed (top-k of E experts, uneven counts as a router gives them), once 
 median times and their ratio. Defaults are GPT-OSS-20B's layer shape scaled by ``--scale``
 (hidden 2880, 32 experts, top 4); BF16 on CUDA, FP32 on CPU.
 
-    python tools/bench_moe_experts.py [--tokens 4096] [--scale 0.25] [--repeats 5] [--json]
+    python tools/bench/bench_moe_experts.py [--tokens 4096] [--scale 0.25] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build(hidden: int, experts: int, topk: int, dtype, device):

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check, one command, under 10 minutes on one H200 with no network:
-#   bash tools/gpu_check.sh [OUT_DIR]
+#   bash tools/env/gpu_check.sh [OUT_DIR]
 # 0. No CUDA device visible: exit 3 with the reason, before anything else (so CPU machines stop here).
 # 1. megatron-core, omegaconf and wandb, when the image lacks them, from the carried gpu_wheelhouse/
-#    (build it with tools/gpu_wheelhouse.sh where there is network), offline, into .gpu_site/
-#    beside the image's packages (tools/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
+#    (build it with tools/env/gpu_wheelhouse.sh where there is network), offline, into .gpu_site/
+#    beside the image's packages (tools/env/gpu_install_offline.sh); a missing wheel: exit 2, naming it.
 # 2. The steps at the bottom, each under its timeout, all under one budget (GPU_CHECK_BUDGET_S,
 #    550 s; the probe, install and environment add about 30 s): the GPU-only tests (flex backward on
 #    CUDA vs sdpa, packed rows on flex and TE, a BF16 train step, TE when it imports, GPT-OSS
 #    sinks + sliding windows + MoE on flex (FP32) and on TE's softmax_type="learnable" (BF16)), the
 #    FlexAttention compile count with and without shape buckets and the MoE experts' grouped GEMM
-#    against a per-expert loop (tools/bench_moe_experts.py), the memory probe and adversarial steps
+#    against a per-expert loop (tools/bench/bench_moe_experts.py), the memory probe and adversarial steps
 #    at its budget, tools/bench_train.py on the GPU
 #    model (~250M parameters, BF16, FSDP2: micro-batch size 1, fixed safe, sort-and-stride, dynamic
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
@@ -22,7 +22,7 @@
 # bench_gpu.json, summary.txt (<= 30 lines).
 # Exit: 0 every step passed, 1 a step failed, timed out or was skipped, 2 install failed, 3 no CUDA.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$out"
 if [ -n "${PYTHON:-}" ]; then py="$PYTHON"; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
@@ -49,7 +49,7 @@ fi
 export PYTHONPATH="$PWD/$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 install_log="(megatron-core, omegaconf and wandb import: nothing installed)"
 if ! "$py" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('megatron.core', 'omegaconf', 'wandb'))))" 2> /dev/null; then
-  if ! install_log=$(bash tools/gpu_install_offline.sh --wheelhouse "$wheelhouse" --python "$py" --target "$site" 2>&1); then
+  if ! install_log=$(bash tools/env/gpu_install_offline.sh --wheelhouse "$wheelhouse" --python "$py" --target "$site" 2>&1); then
     echo "$install_log" >&2
     { echo "gpu_check: offline install from $wheelhouse failed (exit 2):"; echo "$install_log" | tail -n 8; } | tee "$out/summary.txt"
     exit 2
@@ -104,15 +104,15 @@ step gpu_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu
 # exact Qwen3-4B architecture (random weights: the recipe without its checkpoint), the latter also with
 # full activation recomputation (its b falls; its budget rises), one JSON line each; then adversarial
 # steps at the ~250M model's resolved budget under set_per_process_memory_fraction(0.5): windows of
-# only 2,048-token rows, one among short rows, only short rows (tools/memory_adversary.py: exit 1
+# only 2,048-token rows, one among short rows, only short rows (tools/bench/memory_adversary.py: exit 1
 # if a step measures over its prediction; "1.15x over" says the budget leaves no large slack).
 probe_250m="model.hidden_size=1024 model.num_layers=16 model.num_attention_heads=16 model.num_query_groups=4"
-step kernels_memory 230 bash -c "'$py' tools/flex_compile_count.py --steps 4 && '$py' tools/bench_moe_experts.py \
+step kernels_memory 230 bash -c "'$py' tools/bench/flex_compile_count.py --steps 4 && '$py' tools/bench/bench_moe_experts.py \
   && '$py' tools/probe_memory.py configs/quickstart.yaml $probe_250m train.precision=bf16 --json \
   && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte --json \
   && '$py' tools/probe_memory.py configs/qwen3_4b_dynamic.yaml 'model.hf_checkpoint=\"\"' data.tokenizer=byte \
      model.recompute_granularity=full --json \
-  && '$py' tools/memory_adversary.py configs/quickstart.yaml $probe_250m train.precision=bf16 data.max_seq_length=2048 \
+  && '$py' tools/bench/memory_adversary.py configs/quickstart.yaml $probe_250m train.precision=bf16 data.max_seq_length=2048 \
      train.global_batch_size=256 --fraction 0.5 --steps 12"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
 step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json

@@ -2,7 +2,7 @@
 """The output layer with and without chunked logits, side by side in one run, on a model with
 Qwen3's 151,936-token vocabulary (``model.logits_chunk_tokens``, backend/model/output.py).
 
-    python tools/bench_logits_chunk.py [--chunks 0,1024,4096] [--steps 6] [--limit-gib 4] [--vocab 151936]
+    python tools/bench/bench_logits_chunk.py [--chunks 0,1024,4096] [--steps 6] [--limit-gib 4] [--vocab 151936]
         [--loss cross_entropy|policy] [--json] [overrides]
 
 Per arm (one chunk size; 0 = whole logits): the memory probe's fit (bytes per token ``b``) and
@@ -25,8 +25,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QWEN3_VOCAB = 151_936
 

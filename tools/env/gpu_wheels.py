@@ -2,10 +2,10 @@
 
 The GPU machine (one H200, Python 3.12.3, torch 2.11.0+cu130) has no network at all, so what its
 image lacks travels as wheels in ``gpu_wheelhouse/`` (26.5 MiB, built here by
-tools/gpu_wheelhouse.sh). Two committed lists say what is where:
+tools/env/gpu_wheelhouse.sh). Two committed lists say what is where:
 
-- tools/gpu_image_packages.txt: the image's packages (``name`` or ``name==version``);
-- tools/gpu_wheelhouse.txt: what the wheelhouse holds, one requirement a line with its kind
+- tools/env/gpu_image_packages.txt: the image's packages (``name`` or ``name==version``);
+- tools/env/gpu_wheelhouse.txt: what the wheelhouse holds, one requirement a line with its kind
   (``required``, ``optional`` or ``floor``; see that file).
 
 Subcommands (stdlib plus ``packaging``, so this runs under the image's python3 and here):
@@ -57,7 +57,7 @@ TARGET_ENV = {
 
 @dataclass(frozen=True)
 class Entry:
-    """One line of tools/gpu_wheelhouse.txt."""
+    """One line of tools/env/gpu_wheelhouse.txt."""
 
     requirement: Requirement
     kind: str
@@ -186,7 +186,7 @@ def write_manifest(folder: Path, entries: list[Entry], notes: list[str]) -> Path
         total += size
         rows.append(f"{path.name if path else '-'}\t{size}\t{e.kind}\t{e.requirement}")
     text = [
-        "# gpu_wheelhouse: wheel<TAB>bytes<TAB>kind<TAB>declared requirement (tools/gpu_wheelhouse.txt)",
+        "# gpu_wheelhouse: wheel<TAB>bytes<TAB>kind<TAB>declared requirement (tools/env/gpu_wheelhouse.txt)",
         f"# total {total} bytes ({total / 2**20:.1f} MiB), {len(rows)} wheels, for CPython 3.12 x86-64 Linux",
         *rows,
         "# image packages relied on, with the ranges these wheels need (versions unread there):",
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(
                 f"gpu_install_offline: missing wheels in {args.folder}: {', '.join(missing)}. "
-                "Build the folder with tools/gpu_wheelhouse.sh on a machine with network and carry it.",
+                "Build the folder with tools/env/gpu_wheelhouse.sh on a machine with network and carry it.",
                 file=sys.stderr,
             )
             return 2

@@ -2,7 +2,7 @@
 """Weight sync to the RL generator, side by side in one run: the in-process Hugging Face stream
 against the file round trip it replaces.
 
-    python tools/bench_weight_sync.py [CONFIG] [dotted.key=value ...] [--repeats 5] [--json]
+    python tools/bench/bench_weight_sync.py [CONFIG] [dotted.key=value ...] [--repeats 5] [--json]
 
 - ``stream``: ``generator.load_weights(worker.hf_weights())``: each FSDP2 parameter gathered,
   converted to Hugging Face names and copied into the generator's model, never a file;
@@ -24,8 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,13 +11,13 @@ the plan's padding efficiency, rank imbalance and modelled step time.
 
 From a config, with the windows the trainer would draw (data set, sampler, planner):
 
-    python tools/plot_plan.py configs/quickstart.yaml --dp 4 --cp 1 --step 3 --out plan.png
-    python tools/plot_plan.py configs/quickstart.yaml train.max_tokens_per_gpu=4096 --dp 2 --out plan.png
+    python tools/plot/plot_plan.py configs/quickstart.yaml --dp 4 --cp 1 --step 3 --out plan.png
+    python tools/plot/plot_plan.py configs/quickstart.yaml train.max_tokens_per_gpu=4096 --dp 2 --out plan.png
 
 From a file of lengths (one integer a line; the whole file is the window, or the --step-th
 window of --global-batch-size lengths):
 
-    python tools/plot_plan.py --lengths-file lengths.txt --dp 8 --cp 2 --max-tokens-per-gpu 16384 --out plan.png
+    python tools/plot/plot_plan.py --lengths-file lengths.txt --dp 8 --cp 2 --max-tokens-per-gpu 16384 --out plan.png
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import matplotlib  # noqa: E402
 

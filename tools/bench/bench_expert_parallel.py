@@ -11,7 +11,7 @@ reduce-scatters of gradients, the experts' all-to-alls of tokens), then the medi
 rank computes with. Defaults: GPT-OSS-20B's MoE layer (hidden 2880, 32 experts, top 4, inner
 2880) scaled by ``--scale``, FP32 on CPU.
 
-    python tools/bench_expert_parallel.py [--nproc 4] [--eps 1,2,4] [--tokens 512] [--scale 0.125] [--steps 5] [--json]
+    python tools/bench/bench_expert_parallel.py [--nproc 4] [--eps 1,2,4] [--tokens 512] [--scale 0.125] [--steps 5] [--json]
 
 On CPU and gloo the times say little about a GPU (no NVLink, 2 cores shared by 4 ranks); the
 bytes are what the layer moves on any transport.
@@ -27,8 +27,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # torch.distributed's names (2.13 calls FSDP2's all_gather_single / reduce_scatter_single) -> kind.
 COLLECTIVES = {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load time and per-rank peak memory of a Hugging Face import into the FSDP2-sharded model.
 
-    python tools/bench_hf_load.py [--nproc 2] [--layers 24] [--hidden 1024] [--dtype bf16] [--json]
+    python tools/bench/bench_hf_load.py [--nproc 2] [--layers 24] [--hidden 1024] [--dtype bf16] [--json]
 
 Writes a random Qwen3-style checkpoint (default: hidden 1024, 24 layers, 16 heads of 128, 8 KV
 heads, FFN 3072, vocabulary 151,936, tied: 0.52B parameters, 1.05 GB in BF16) to a temporary
@@ -28,8 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _rss_bytes() -> int:
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
         out = Path(tmp) / "ranks.json"
         cmd = torchrun_command(args.nproc, str(Path(__file__).resolve()), "--worker", str(hf_dir), str(out))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Export one of our checkpoints as a Hugging Face model directory (safetensors, no custom code).
+
+    python tools/export_hf.py runs/qwen3/checkpoints/step_00001000 --output exported/qwen3-sft \\
+        [--config runs/qwen3/config.yaml] [--dtype bf16|fp32] [--max-shard-size 5GB] [dotted.key=value ...]
+
+Writes config.json, model.safetensors (or model-0000i-of-0000N.safetensors + index, cut at
+--max-shard-size) and the tokenizer / chat-template files of the run's model.hf_checkpoint (or
+data.tokenizer directory). ``AutoModelForCausalLM.from_pretrained(OUTPUT)`` loads it. --config
+defaults to the run's config.yaml two levels above the step directory (<run>/checkpoints/step_*).
+Overrides apply to that config, e.g. ``model.hf_checkpoint=''`` when the imported checkpoint has
+moved (its architecture is in config.yaml; tokenizer files are then not copied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (transformers' decimal units; KiB/MiB/GiB binary)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _find_config(step_dir: Path) -> Path | None:
+    for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a step_* checkpoint directory")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the run's config")
+    p.add_argument("--config", help="the run's config.yaml (default: found beside the checkpoint directory)")
+    p.add_argument("--output", required=True, help="the Hugging Face directory to write (new or empty)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--max-shard-size", default="5GB", type=parse_size)
+    args = p.parse_args(argv)
+
+    import logging
+
+    from backend.config import ConfigError, load_config, validate
+
+    step_dir = Path(args.checkpoint)
+    config = Path(args.config) if args.config else _find_config(step_dir)
+    if config is None:
+        print(f"error: no config.yaml found beside {step_dir}; pass --config RUN/config.yaml", file=sys.stderr)
+        return 2
+    try:
+        cfg = validate(
+            load_config(
+                config, [*args.overrides, "parallel.context_parallel_size=1", "parallel.expert_parallel_size=1"]
+            ),
+            world_size=1,
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+    from backend.checkpoint.hf_export import export_checkpoint
+    from backend.distributed.setup import init_distributed, shutdown_distributed
+    from backend.errors import UserError, run_main
+
+    def run() -> int:
+        env = init_distributed(1, cfg.parallel.backend)
+        try:
+            out = export_checkpoint(
+                step_dir, cfg, args.output, env, dtype=args.dtype, max_shard_bytes=args.max_shard_size
+            )
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(str(e)) from e
+        finally:
+            shutdown_distributed()
+        print(f"wrote {out}")
+        return 0
+
+    # A refused checkpoint (a planted .metadata, another model's shapes) is one ``error:`` line, exit 2.
+    return run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
