@@ -285,7 +285,12 @@ def format_startup_summary(info: dict) -> str:
     rows.append(("model", model))
     parallel = []
     if info.get("dp") is not None:
-        parallel.append(f"dp {info['dp']} x cp {info.get('cp', 1)}")
+        split = f"dp {info['dp']} x cp {info.get('cp', 1)}"
+        sizes = info.get("parallel") or {}  # ParallelDims.sizes(): the dimensions beyond dp x cp when used
+        split += "".join(f" x {k} {sizes[k]}" for k in ("tp", "pp") if sizes.get(k, 1) > 1)
+        if sizes.get("ep", 1) > 1:
+            split += f", ep {sizes['ep']}"
+        parallel.append(split)
     if info.get("world_size") is not None:
         parallel.append(f"{info['world_size']} rank(s)")
     if info.get("device"):

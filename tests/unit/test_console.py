@@ -161,6 +161,9 @@ def test_startup_summary_names_model_parallelism_attention_data_and_budget():
     assert "fixed micro-batch size 2" in fixed and "model" not in fixed  # missing keys are left out
     recomputing = format_startup_summary({"attention_backend": "te", "recompute": "full"})
     assert "attention  te, recompute full" in recomputing
+    experts = {"world_size": 8, "dp": 4, "cp": 2, "ep": 4, "tp": 1, "pp": 1}
+    split = format_startup_summary({"dp": 4, "cp": 2, "world_size": 8, "parallel": experts})
+    assert "dp 4 x cp 2, ep 4, 8 rank(s)" in split  # ParallelDims' sizes: only what is used
 
 
 def test_end_summary_with_and_without_validation():

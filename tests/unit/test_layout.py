@@ -234,3 +234,104 @@ def test_installed_console_script_prints_the_config():
     )
     assert out.returncode == 0, out.stderr
     assert "train_iters: 7" in out.stdout and "dynamic_batch_enable: true" in out.stdout
+
+
+#: Collective helpers and where their group goes: a positional index, or None (keyword only).
+NAMED_HELPERS = {
+    "dist_sum": 1,
+    "dist_max_tensor": 1,
+    "all_gather_tensors": 1,
+    "all_to_all_counts": 1,
+    "check_plan_agreement": 1,
+    "dist_max": None,
+    "dist_any": None,
+    "all_gather_objects": None,
+    "check_same_arguments": None,
+    "all_to_all_rows": None,
+}
+#: torch.distributed's collectives (called as dist.X / torch.distributed.X): a group= keyword.
+TORCH_COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+}
+
+
+def test_every_collective_call_names_its_group():
+    """Every collective in the library and the tools says which ranks it reduces over
+    (ParallelDims' groups): a default group would count a token once per tensor-parallel rank."""
+    bad, checked = [], 0
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "tools").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            keywords = {k.arg for k in node.keywords}
+            owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+            if name in NAMED_HELPERS:
+                index = NAMED_HELPERS[name]
+                ok = "group" in keywords or (index is not None and len(node.args) > index)
+            elif name in TORCH_COLLECTIVES and owner in ("dist", "torch.distributed"):
+                ok = "group" in keywords
+            else:
+                continue
+            checked += 1
+            if not ok:
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert checked > 40  # the scan sees the library's collectives
+    assert not bad, "collectives without a group:\n" + "\n".join(bad)
+
+
+#: The tools' paths that launch scripts and users call with their current arguments.
+KEPT_TOOL_PATHS = (
+    "compute_logprobs.py",
+    "export_hf.py",
+    "probe_memory.py",
+    "compare_arms.py",
+    "show_data.py",
+    "plot_metrics.py",
+    "bench_train.py",
+    "preprocess_data.py",
+    "simulate_batching.py",
+    "setup_env.sh",
+    "slurm/train.sbatch",
+)
+
+
+def test_tools_are_grouped_by_kind():
+    """At most 10 files directly in tools/ (user commands, the set-up, bench_train), the rest in
+    bench/, plot/, env/ and slurm/; no script patches sys.path (the package is installed)."""
+    tools = REPO / "tools"
+    top = sorted(p.name for p in tools.iterdir() if p.is_file())
+    assert len(top) <= 10, top
+    assert {p.name for p in tools.iterdir() if p.is_dir()} <= {"bench", "plot", "env", "slurm"}
+    for kept in KEPT_TOOL_PATHS:
+        assert (tools / kept).is_file(), kept
+    patched = [str(p.relative_to(REPO)) for p in tools.rglob("*.py") if "sys.path" in p.read_text(encoding="utf-8")]
+    assert not patched, patched
+
+
+def test_user_commands_are_console_scripts():
+    """Every user command of tools/ is also an installed console script naming the same main."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    for name in ("compute_logprobs", "export_hf", "probe_memory", "compare_arms", "show_data", "plot_metrics"):
+        target = scripts[f"backend-{name.replace('_', '-')}"]
+        assert target == f"backend.commands.{name}:main"
+        assert f"from backend.commands.{name} import main" in (REPO / "tools" / f"{name}.py").read_text()
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), target

@@ -1,0 +1,68 @@
+"""ParallelDims: the one place the world's split is stated and checked (no torch needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.config import ConfigError, load_config, validate
+from backend.distributed.parallel_dims import ParallelDims
+
+
+def test_sizes_and_layout():
+    dims = ParallelDims(world_size=8, cp=2, ep=4)
+    assert (dims.dp, dims.cp, dims.ep, dims.tp, dims.pp) == (4, 2, 4, 1, 1)
+    assert dims.sizes() == {"world_size": 8, "dp": 4, "cp": 2, "ep": 4, "tp": 1, "pp": 1}
+    # rank = dp_rank x cp + cp_rank (megatron-core's order); EP groups are blocks of ep ranks
+    for rank in range(8):
+        where = dims.coords(rank)
+        assert rank == where["dp"] * 2 + where["cp"]
+        assert where["ep"] == rank % 4 and where["tp"] == 0 and where["pp"] == 0
+    assert [dims.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "dims, experts, expected",
+    [
+        (ParallelDims(world_size=4, cp=3), None, "parallel.context_parallel_size=3: must divide the world size 4"),
+        (ParallelDims(world_size=1, cp=2), None, "launch with torchrun --nproc-per-node 2"),
+        (ParallelDims(world_size=2, ep=2), 0, "parallel.expert_parallel_size=2: needs an MoE model"),
+        (ParallelDims(world_size=4, ep=4), 6, "must divide model.num_moe_experts=6"),
+        (ParallelDims(world_size=6, ep=4), 8, "parallel.expert_parallel_size=4: must divide the world size 6"),
+    ],
+)
+def test_errors_name_the_key(dims, experts, expected):
+    errors = dims.errors(num_moe_experts=experts)
+    assert any(expected in e for e in errors), errors
+    with pytest.raises(ValueError, match="must|needs"):
+        dims.validate(num_moe_experts=experts)
+
+
+def test_valid_sizes_have_no_errors():
+    assert ParallelDims(world_size=8, cp=2, ep=2).errors(num_moe_experts=4) == []
+    assert ParallelDims(world_size=1).validate() is not None
+
+
+def test_config_validation_uses_the_same_check():
+    cfg = load_config(None, ["parallel.context_parallel_size=3"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=4)
+    assert ParallelDims(world_size=4, cp=3).errors()[0] in str(e.value)
+
+
+def test_groups_exist_only_after_build():
+    dims = ParallelDims(world_size=2)
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        dims.group("loss")
+    with pytest.raises(ValueError, match="purposes are"):
+        dims.group("everything")
+
+
+def test_the_world_has_its_groups(world):
+    """A one-process world: every purpose answers, sizes of one dimension give None groups."""
+    import torch.distributed as dist
+
+    dims = world.dims
+    assert dims.sizes()["world_size"] == 1
+    assert dims.group("cp") is None and dims.group("ep") is None and dims.group("tp") is None
+    assert dist.get_world_size(dims.group("loss")) == 1 and dims.group("world") is dist.group.WORLD
+    assert dims.mesh("fsdp").size() == 1
