@@ -94,7 +94,7 @@ def place_experts(model: torch.nn.Module, env) -> list[torch.nn.Module]:
 
     from .grouped_experts import grouped_experts_class
 
-    cls, mesh = grouped_experts_class(), env.expert_mesh["ep"]
+    cls, mesh = grouped_experts_class(), env.dims.mesh("ep")
     modules = [m for m in model.modules() if isinstance(m, cls)]
     for module in modules:
         e = module.num_local_experts

@@ -1,4 +1,4 @@
-"""RL on top of the trainer: ``PolicyWorker`` (the trainer fed from memory), an in-process
+"""RL on top of the engine: ``PolicyWorker`` / ``ValueWorker`` (the engine driven from memory), an in-process
 generator fed by the Hugging Face weight stream (``generate``), and the GRPO loop
 (``python -m backend.rl CONFIG``). Nothing below ``backend.rl`` imports it."""
 

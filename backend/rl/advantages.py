@@ -76,6 +76,8 @@ def register_advantage(name: str):
     """Class decorator: ``rl.advantage: name`` builds this estimator (with the ``rl`` section)."""
 
     def wrap(cls):
+        if name in ADVANTAGES and ADVANTAGES[name] is not cls:
+            raise ValueError(f"advantage {name!r} is registered twice ({ADVANTAGES[name].__name__}, {cls.__name__})")
         cls.name = name
         ADVANTAGES[name] = cls
         return cls

@@ -188,7 +188,7 @@ def test_grouped_experts_on_cuda_match_the_per_expert_loop(monkeypatch):
     """BF16 on CUDA: the grouped kernel (with its 8-row group padding) against the per-expert loop;
     on a GPU other than compute capability 9.x both arms are the loop and the test says so."""
     from backend.model import grouped_experts
-    from tools.bench_moe_experts import build, routed_counts
+    from tools.bench.bench_moe_experts import build, routed_counts
 
     device = torch.device("cuda")
     module = build(256, 8, 2, torch.bfloat16, device)

@@ -315,7 +315,8 @@ def test_tools_are_grouped_by_kind():
     tools = REPO / "tools"
     top = sorted(p.name for p in tools.iterdir() if p.is_file())
     assert len(top) <= 10, top
-    assert {p.name for p in tools.iterdir() if p.is_dir()} <= {"bench", "plot", "env", "slurm"}
+    folders = {p.name for p in tools.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders <= {"bench", "plot", "env", "slurm"}, folders
     for kept in KEPT_TOOL_PATHS:
         assert (tools / kept).is_file(), kept
     patched = [str(p.relative_to(REPO)) for p in tools.rglob("*.py") if "sys.path" in p.read_text(encoding="utf-8")]
