@@ -205,8 +205,11 @@ class GRPOLoop:
             "generated_tokens": generated,
             "generate_s": generate_s,
             "generate_tokens_per_s": generated / max(generate_s, 1e-9),
-            "_rewards": rewards,  # [prompts, samples], row order flattened (popped by step)
         }
+        # rl.advantage's estimator writes each row's advantages (gae: from the critic's values,
+        # whose own rows it returns, popped by step)
+        critic_rows, estimator_metrics = self.advantage(rows, rewards, self.critic)
+        metrics.update(estimator_metrics, _critic_rows=critic_rows)
         return rows, metrics
 
     def step(self) -> dict:
@@ -216,8 +219,7 @@ class GRPOLoop:
             self.sync_weights()
         step = worker.step + 1
         rows, metrics = self.rollouts(step)
-        critic_rows, estimator_metrics = self.advantage(rows, metrics.pop("_rewards"), self.critic)
-        metrics.update(estimator_metrics)
+        critic_rows = metrics.pop("_critic_rows")
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
             for row, lp in zip(rows, worker.logprobs(rows)):
