@@ -44,21 +44,42 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+class _Buffers:
+    """Two [chunk, V] buffers reused by every chunk of one call (FP32 / FP64 compute).
+
+    A fresh [256, 151,936] FP32 buffer is 156 MB: on CPU each allocation of that size is a new
+    mapping whose pages the kernel faults in and zeroes, about 40 ms a buffer measured here, three
+    buffers a chunk. Reused, a microbatch pays for two whatever its chunk count. In BF16 / FP16
+    compute (GPUs, whose caching allocator reuses blocks anyway) nothing is kept: ``get`` is None."""
+
+    def __init__(self, rows: int, cols: int, h: torch.Tensor):
+        keep = _wide(h.dtype) == h.dtype
+        self.bufs = [torch.empty(rows, cols, dtype=h.dtype, device=h.device) for _ in range(2)] if keep else None
+
+    def get(self, i: int, rows: int) -> torch.Tensor | None:
+        return None if self.bufs is None else self.bufs[i][:rows]
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, out=None) -> torch.Tensor:
+    if out is not None:  # FP32 / FP64: into the reused buffer (the same numbers as h @ W^T / T)
+        z = torch.mm(h, weight.t(), out=out)
+        return z.div_(temperature) if temperature != 1.0 else z
     z = (h @ weight.t()).to(_wide(h.dtype))  # as the unchunked path: logits in the compute dtype, then FP32
     return z / temperature if temperature != 1.0 else z
 
 
-def _logp_chunk(h, w, lse, temperature):
+def _logp_chunk(h, w, lse, temperature, out=None):
     """log p [c, V] of a chunk from its saved logsumexp: one fused op in FP32 / FP64."""
     if _wide(h.dtype) == h.dtype:
+        if out is not None:
+            return torch.addmm(-lse[:, None], h, w.t(), alpha=1.0 / temperature, out=out)
         return torch.addmm(-lse[:, None], h, w.t(), alpha=1.0 / temperature)
     return _chunk_logits(h, w, temperature).sub_(lse[:, None])
 
 
-def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w):
+def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, scratch=None):
     """Add one chunk's gradients to ``grad_h`` (its rows) and ``grad_w`` (a [V', H] view in the
-    wide dtype), consuming ``logp``.
+    wide dtype), consuming ``logp`` (and ``scratch``, a buffer of its shape, when given).
 
     With g = dL/dlog p(y) and z = h W^T / T: dL/dz = g (onehot(y) - p) - g_H p (log p + H).
     In FP32 / FP64 compute the big buffer stays the probabilities and every scaling happens on
@@ -70,7 +91,7 @@ def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w):
     g = g[:, None].to(logp.dtype) / temperature
     extra = None
     if g_ent is not None:
-        p = logp.exp()
+        p = torch.exp(logp, out=scratch) if scratch is not None else logp.exp()
         logp += entropy[:, None]
         logp *= p
         logp *= -g_ent[:, None].to(logp.dtype) / temperature
@@ -134,20 +155,31 @@ class ChunkedLogprobs(torch.autograd.Function):
         fused = grad_hint is not None and not want_entropy and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_h = torch.zeros_like(hidden) if fused and ctx.needs_input_grad[0] else None
         grad_w_full, grad_w = _weight_grad(weight, vocab_limit) if fused and ctx.needs_input_grad[1] else (None, None)
+        bufs = _Buffers(min(chunk, n), w.shape[0], hidden)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             y = labels[s:e, None]
-            z = _chunk_logits(hidden[s:e], w, temperature)
-            logp = torch.log_softmax(z, dim=-1)  # one fused pass (faster on CPU than logsumexp)
+            z = _chunk_logits(hidden[s:e], w, temperature, out=bufs.get(0, e - s))
+            lp_out = bufs.get(1, e - s)
+            # one fused pass (faster on CPU than logsumexp)
+            logp = (
+                torch.log_softmax(z, dim=-1)
+                if lp_out is None
+                else torch.ops.aten._log_softmax.out(z, 1, False, out=lp_out)
+            )
             lp[s:e] = logp.gather(1, y)[:, 0]
             lse[s:e] = z.gather(1, y)[:, 0] - lp[s:e]
             del z
-            if want_entropy:  # H = -sum p log p, a row-wise dot product: no third buffer
-                ent[s:e] = -torch.linalg.vecdot(logp.exp(), logp)
+            if want_entropy:  # H = -sum p log p, a row-wise dot product (p into the logits' buffer)
+                scratch = bufs.get(0, e - s)
+                p = torch.exp(logp, out=scratch) if scratch is not None else logp.exp()
+                ent[s:e] = -torch.linalg.vecdot(p, logp)
+                del p
             if fused:
                 rows = grad_h[s:e] if grad_h is not None else None
                 _chunk_grads(hidden[s:e], w, labels[s:e], logp, grad_hint[s:e], None, None, temperature, rows, grad_w)
             del logp
+        del bufs
         ctx.fused = (grad_hint, grad_h, grad_w_full) if fused else None
         ctx.set_materialize_grads(False)  # an unused (or detached) entropy sends None, not zeros to add
         ctx.save_for_backward(hidden, weight, labels, lse, ent if want_entropy else lse)
@@ -181,10 +213,11 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_h = torch.zeros_like(hidden) if need_h else None
             grad_w, grad_w_rows = _weight_grad(weight, limit) if need_w else (None, None)
             with_entropy = ctx.want_entropy and grad_ent is not None and grad_ent.numel() == n
+            bufs = _Buffers(min(chunk, n), w.shape[0], hidden)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 h = hidden[s:e]
-                logp = _logp_chunk(h, w, lse[s:e], temperature)
+                logp = _logp_chunk(h, w, lse[s:e], temperature, out=bufs.get(0, e - s))
                 _chunk_grads(
                     h,
                     w,
@@ -196,7 +229,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                     temperature,
                     grad_h[s:e] if grad_h is not None else None,
                     grad_w_rows,
+                    scratch=bufs.get(1, e - s),
                 )
+            del bufs
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)  # padding rows: no gradient
         return grad_h, grad_w, None, None, None, None, None, None

@@ -161,7 +161,7 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
             g["lr"] = 0.0
         small = [min(64, cfg.data.max_seq_length)]  # the warm-up step's window and each probe's lead
         warm, _ = _probe_data(small, cfg, env, rng)
-        forward_backward(model, warm, env, loss_cfg=None)
+        forward_backward(model, warm, env, loss_cfg=cfg.loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # Made outside a metered step, so the CPU meter would not count the optimizer state that
@@ -172,8 +172,8 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
             data, mb = _probe_data(lengths, cfg, env, rng, lead=small)
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
-            with meter.step():
-                forward_backward(model, data, env, loss_cfg=None)
+            with meter.step():  # the run's own objective: the policy loss's entropy holds a softmax more
+                forward_backward(model, data, env, loss_cfg=cfg.loss)
             if meter.peak_bytes and meter.reserved_bytes:
                 ratio = max(ratio, meter.reserved_bytes / meter.peak_bytes)
             points.append((float(mb.cost), float(mb.area) / cp, float(meter.peak_bytes)))
