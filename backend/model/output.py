@@ -44,6 +44,20 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+#: On CPU a chunk is at most this many tokens, whatever ``logits_chunk_tokens`` asks (less memory,
+#: never more). The two buffers a call reuses are then at most 2 x 512 x V floats (622 MB at
+#: Qwen3's 151,936 ids): a fresh buffer's pages are faulted in and zeroed by the kernel, and a
+#: [4096, 151,936] log-softmax into a fresh buffer took 0.79 s against 0.24 s into a reused one
+#: here, so one whole-microbatch chunk of 4,096 tokens ran a training step 1.3x slower than 512s
+#: did. CUDA's caching allocator reuses its blocks: there the chunk is as asked.
+CPU_MAX_CHUNK = 512
+
+
+def effective_chunk(chunk: int, device: torch.device) -> int:
+    """The tokens a chunk holds on ``device`` (``CPU_MAX_CHUNK`` at most on CPU)."""
+    return min(chunk, CPU_MAX_CHUNK) if device.type == "cpu" else chunk
+
+
 class _Buffers:
     """Two [chunk, V] buffers reused by every chunk of one call (FP32 / FP64 compute).
 
@@ -146,6 +160,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, temperature, vocab_limit, want_entropy, grad_hint):
+        chunk = effective_chunk(chunk, hidden.device)
         w = weight[:vocab_limit] if vocab_limit else weight
         n = hidden.shape[0]
         wide = _wide(hidden.dtype)
