@@ -88,6 +88,7 @@ _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
     "model.recompute_granularity": "memory for time; the same activations, the same gradient",
     "model.logits_chunk_tokens": "memory for time; the same log-probabilities to FP32 rounding",
+    "model.logits_fused_kernel": "another kernel for the same cross-entropy, to FP32 rounding",
     "train.train_iters": "the run's length; the LR schedule follows the new horizon from here",
     "train.micro_batch_size": "microbatching only; same windows, same gradient",
     "train.dynamic_batch_enable": "microbatching only; same windows, same gradient",

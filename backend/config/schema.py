@@ -19,6 +19,7 @@ ATTENTION_BACKENDS = ("auto", *ATTENTION_KERNELS)
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 # Activation recomputation (backend.model.recompute): none, the core attention, or whole layers.
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+FUSED_LOGITS_KERNELS = ("none", "liger")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
@@ -121,6 +122,10 @@ class ModelConfig:
     # the whole [tokens, vocab] logits (backend/model/output.py); 0 = all at once. Backward
     # recomputes each chunk's logits. Padding rows of the vocabulary never enter the softmax.
     logits_chunk_tokens: int = 0
+    # liger: the cross-entropy objective's output layer is Liger-Kernel's fused linear
+    # cross-entropy (CUDA, the `liger` extra), for microbatches whose loss weights are all 0 or 1
+    # (others, and every other objective, take the path above); none: ours only.
+    logits_fused_kernel: str = "none"
     # lm: the language-model output layer; value: a scalar head (hidden -> 1, with a bias) for a
     # critic trained with loss.type=value (exported as a token-classification model, one label).
     head: str = "lm"

@@ -13,6 +13,7 @@ from .schema import (
     BATCH_LAYOUTS,
     DECAY_STYLES,
     DP_WRAPPERS,
+    FUSED_LOGITS_KERNELS,
     KL_ESTIMATORS,
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
@@ -34,6 +35,7 @@ from .schema import (
 _CHOICES = {
     "model.attention_backend": ATTENTION_BACKENDS,
     "model.recompute_granularity": RECOMPUTE_GRANULARITIES,
+    "model.logits_fused_kernel": FUSED_LOGITS_KERNELS,
     "data.overlong": OVERLONG_POLICIES,
     "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
@@ -232,6 +234,8 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
         )
     if cfg.model.head == "value" and (cfg.model.num_moe_experts or cfg.model.attention_sinks):
         errors.append("model.head=value: a critic is built on the dense families (Qwen3, Llama, Qwen2), not GPT-OSS")
+    if cfg.model.head == "value" and cfg.model.logits_fused_kernel != "none":
+        errors.append("model.logits_fused_kernel: a critic's head has one output, no vocabulary (set none)")
     if cfg.model.head == "value" and cfg.model.logits_chunk_tokens:
         errors.append("model.logits_chunk_tokens: a critic's head has one output, no vocabulary to chunk (set 0)")
     if loss.type != "value" and loss.value_clip != type(loss)().value_clip:

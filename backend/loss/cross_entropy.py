@@ -14,7 +14,7 @@ import torch
 from backend.data.collate import MicrobatchTensors
 from backend.distributed.collectives import dist_sum
 
-from .outputs import microbatch_token_losses
+from .outputs import microbatch_loss_sum_fused, microbatch_token_losses
 from .registry import Objective, register_loss
 
 
@@ -32,6 +32,9 @@ def microbatch_loss_sum(model, mb: MicrobatchTensors, env, *, normaliser: int = 
     """sum(loss_weight * cross-entropy) over this rank's tokens of one microbatch; the caller divides
     it by ``normaliser`` before backward (so each loss's gradient is loss_weight / normaliser)."""
     mb = mb.to(env.device)
+    fused = microbatch_loss_sum_fused(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+    if fused is not None:  # model.logits_fused_kernel: the sum in one kernel, no per-token losses
+        return fused
     hint = mb.loss_weight / normaliser if torch.is_grad_enabled() else None
     losses = microbatch_token_losses(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0, grad_hint=hint)
     return weighted_token_sum(losses, mb.loss_weight)

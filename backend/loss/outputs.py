@@ -12,7 +12,7 @@ import torch
 
 from backend.data.collate import MicrobatchTensors
 from backend.distributed.collectives import dist_sum
-from backend.model.forward import token_logprobs, token_losses, token_values
+from backend.model.forward import token_logprobs, token_loss_sum, token_losses, token_values
 
 
 def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
@@ -92,6 +92,13 @@ def microbatch_token_losses(
     return token_losses(
         model, *inputs, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb), grad_hint=grad_hint
     )
+
+
+def microbatch_loss_sum_fused(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor | None:
+    """sum(loss_weight x cross-entropy) of one microbatch by the model's fused kernel, or None
+    (none configured, or weights other than 0 and 1): ``forward.token_loss_sum``."""
+    inputs = (mb.tokens, mb.labels, mb.position_ids, mb.valid, mb.loss_weight)
+    return token_loss_sum(model, *inputs, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb))
 
 
 def microbatch_values(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.config import ConfigError
 from backend.config.run_values import padded_vocab
 from backend.distributed.fsdp import wrap_fsdp
 
@@ -82,12 +83,30 @@ def _configure_output(model, cfg, *, tokenizer_vocab: int, vocab: int) -> None:
     if is_value_head(cfg.model):  # a critic's head has one output, no vocabulary
         set_output_settings(model, OutputSettings())
         return
-    if chunk:
+    fused = cfg.model.logits_fused_kernel
+    if fused == "liger":
+        _check_liger()
+    if chunk or fused != "none":
         install_chunked_output(model)
     padded = not cfg.model.hf_checkpoint and tokenizer_vocab < vocab == -(-tokenizer_vocab // 128) * 128
-    set_output_settings(
-        model, OutputSettings(logits_chunk_tokens=chunk, vocab_limit=tokenizer_vocab if padded else None)
-    )
+    limit = tokenizer_vocab if padded else None
+    set_output_settings(model, OutputSettings(logits_chunk_tokens=chunk, vocab_limit=limit, fused_kernel=fused))
+
+
+def _check_liger() -> None:
+    """``model.logits_fused_kernel=liger`` needs CUDA and Liger-Kernel: refused by name otherwise
+    (never a silent fall-back to another kernel the user did not ask for)."""
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "model.logits_fused_kernel=liger: Liger-Kernel's Triton kernels need a CUDA device (set none)"
+        )
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"model.logits_fused_kernel=liger: liger-kernel does not import ({e}); install the liger extra "
+            "(pip install -e '.[liger]') or set none"
+        ) from None
 
 
 def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty: bool = False) -> BuiltModel:

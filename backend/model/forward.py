@@ -24,6 +24,7 @@ from .output import OutputRequest, output_request
 class OutputSettings:
     logits_chunk_tokens: int = 0  # > 0: the output layer a chunk of tokens at a time (output.py)
     vocab_limit: int | None = None  # the tokenizer's vocabulary when we padded the embedding past it
+    fused_kernel: str = "none"  # "liger": the cross-entropy sum by Liger's fused kernel (token_loss_sum)
 
 
 def set_output_settings(model: torch.nn.Module, settings: OutputSettings) -> None:
@@ -85,6 +86,29 @@ def token_losses(
     return _forward(
         model, tokens, labels, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
     ).float()
+
+
+def token_loss_sum(
+    model, tokens, labels, positions, valid, loss_weight, *, cp_group=None, route_rows=None, segments=None
+) -> torch.Tensor | None:
+    """sum(loss_weight x cross-entropy) over the microbatch's positions in one fused kernel
+    (``OutputSettings.fused_kernel``: Liger's fused linear cross-entropy, which never holds the
+    logits), or None when the model has none or a weight is neither 0 nor 1 (the kernel takes a
+    token or ignores it): the caller then computes per-token losses as usual."""
+    settings = output_settings(model)
+    if settings.fused_kernel != "liger" or not bool(((loss_weight == 0) | (loss_weight == 1)).all()):
+        return None
+    request = OutputRequest(
+        torch.where(loss_weight > 0, labels, torch.full_like(labels, -100)),
+        0,
+        vocab_limit=settings.vocab_limit,
+        fused="liger",
+    )
+    with output_request(model, request):
+        out = _forward(
+            model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments
+        )
+    return out[0, 0, 0]
 
 
 def token_values(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:

@@ -36,6 +36,7 @@ class OutputRequest:
     entropy: str = ""  # "" none, "value" (no gradient), "grad" (differentiable)
     vocab_limit: int | None = None  # softmax over the first vocab_limit rows only
     grad_hint: torch.Tensor | None = None  # [b, s]: the gradient log p will receive, when known (cross-entropy)
+    fused: str = ""  # "liger": sum(cross-entropy) over labels != -100 by Liger's kernel, in [s, b, 1] (see below)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -267,6 +268,8 @@ def _chunked_forward(self, input_, weight=None, runtime_gather_output=None, **kw
     if request is None:
         return self._unchunked_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
     w = weight if weight is not None else self.weight
+    if request.fused == "liger":
+        return liger_loss_sum(input_, w, request), None
     s, b, hidden_size = input_.shape
     labels = request.labels.t().reshape(-1)  # [b, s] -> the hidden states' [s, b] order
     hint = None if request.grad_hint is None else request.grad_hint.t().reshape(-1).to(torch.float32)
@@ -282,6 +285,23 @@ def _chunked_forward(self, input_, weight=None, runtime_gather_output=None, **kw
     )
     ent = ent if ent is not None else torch.zeros_like(lp)
     return torch.stack([lp, ent], dim=-1).reshape(s, b, 2), None
+
+
+def liger_loss_sum(input_: torch.Tensor, weight: torch.Tensor, request: OutputRequest) -> torch.Tensor:
+    """sum of cross-entropy over the tokens whose label is not -100, by Liger-Kernel's fused
+    linear cross-entropy (reduction "sum": its gradient is computed in its forward and scaled by
+    the one upstream number, correct in every release; "none" with per-token upstream gradients
+    was not until a late release), returned as an [s, b, 1] broadcast of the scalar so it leaves
+    megatron-core's output path like logits; the caller reads element [0, 0, 0]."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    s, b, hidden_size = input_.shape
+    w = weight[: request.vocab_limit] if request.vocab_limit else weight
+    labels = request.labels.t().reshape(-1)
+    total = liger_fused_linear_cross_entropy(
+        input_.reshape(s * b, hidden_size), w, labels, ignore_index=-100, reduction="sum"
+    )
+    return total.float().reshape(1, 1, 1).expand(s, b, 1)
 
 
 def install_chunked_output(model: torch.nn.Module) -> None:

@@ -210,3 +210,45 @@ def test_grouped_experts_on_cuda_match_the_per_expert_loop(monkeypatch):
     for a, b in zip(fast, slow, strict=True):
         rel = float((a - b).norm() / b.norm().clamp(min=1e-12))
         assert rel <= 2e-2, rel
+
+
+def liger_vs_chunked(rank: int, world: int):
+    """The cross-entropy objective's microbatch sum with Liger's fused kernel against our chunked
+    path (same seed, FP32, a Qwen3-sized vocabulary), loss weights 0 and 1; and a fractional
+    weight falls back to the per-token path (the same number as the chunked arm's)."""
+    from backend.config import load_config
+    from backend.distributed.setup import init_distributed
+    from backend.loss.cross_entropy import microbatch_loss_sum
+    from backend.model.factory import build_model
+
+    env = init_distributed(1)
+    base = ["model.hidden_size=256", "model.num_layers=2", "data.max_seq_length=512", "train.seed=3"]
+    base += ["model.vocab_size=151936", "train.precision=fp32"]
+    batch = _batch(env.device)
+    batch.loss_weight[:, :40] = 0  # an unweighted prompt
+    out, grads = {}, {}
+    for name, keys in (("chunked", ["model.logits_chunk_tokens=256"]), ("liger", ["model.logits_fused_kernel=liger"])):
+        model = build_model(load_config(None, [*base, *keys]), env, tokenizer_vocab=256).model
+        loss = microbatch_loss_sum(model, batch, env, normaliser=1000)
+        (loss / 1000).backward()
+        out[name] = float(loss)
+        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]).cpu()
+        if name == "liger":
+            half = batch.to(env.device)
+            half.loss_weight = half.loss_weight * 0.5
+            out["liger_half"] = float(microbatch_loss_sum(model, half, env))
+    g0, g1 = grads["chunked"], grads["liger"]
+    out["grad_cos"] = float(torch.dot(g0, g1) / (g0.norm() * g1.norm()))
+    out["grad_rel"] = float((g0 - g1).norm() / g0.norm())
+    return out
+
+
+def test_liger_fused_cross_entropy_matches_the_chunked_path(tmp_path):
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"needs liger-kernel (the liger extra): {e}")
+    r = run_ranks(liger_vs_chunked, 1, tmp_path, backend="nccl", timeout=600)[0]
+    assert abs(r["liger"] - r["chunked"]) <= 1e-5 * abs(r["chunked"]), r
+    assert r["grad_cos"] >= 0.99999 and r["grad_rel"] <= 1e-4, r
+    assert abs(r["liger_half"] - 0.5 * r["chunked"]) <= 1e-5 * abs(r["chunked"]), r  # the per-token path

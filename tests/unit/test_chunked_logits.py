@@ -180,3 +180,17 @@ def test_bf16_gradients_match_the_unchunked_path_on_confident_tokens(entropy):
     assert float(p_label.median()) > 0.99 and float(p_label.max()) < 1.0  # confident, not saturated
     for a, b in zip(grads["chunked"][:2], grads["unchunked"][:2]):
         assert float((a - b).norm() / b.norm()) < 0.02, float((a - b).norm() / b.norm())
+
+
+def test_a_fused_kernel_is_refused_by_name_where_it_cannot_run(world):
+    """model.logits_fused_kernel=liger on CPU (Liger's kernels are Triton, CUDA only): a config
+    error naming the key, never a silent fall-back; unknown kernels are refused by validation.
+    The kernel itself is compared with the chunked path in tests/gpu (a CUDA device)."""
+    from backend.config import ConfigError
+    from backend.model.factory import build_model
+
+    cfg = validate(load_config(TINY, ["model.logits_fused_kernel=liger"]))
+    with pytest.raises(ConfigError, match="model.logits_fused_kernel=liger: .*CUDA"):
+        build_model(cfg, world, tokenizer_vocab=256)
+    with pytest.raises(ConfigError, match="model.logits_fused_kernel='other': allowed values are none, liger"):
+        validate(load_config(TINY, ["model.logits_fused_kernel=other"]))
