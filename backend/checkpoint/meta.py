@@ -68,7 +68,7 @@ def validate_meta(meta: Any, file: Path) -> None:
     unknown = sorted(
         set(meta)
         - {"step", "scheduler", "world_size", "dp_size", "cp_size", "parallel", "data", "wandb_run_id", "config"}
-        - {"caller_state"}
+        - {"caller_state", "nonfinite_steps"}
     )
     if unknown:
         raise bad(f"holds {len(unknown)} unknown key(s) (e.g. {unknown[0][:40]!r})")
@@ -80,6 +80,8 @@ def validate_meta(meta: Any, file: Path) -> None:
     for key in ("dp_size", "cp_size", "world_size"):
         if key in meta and not _count(meta[key], 1):
             raise bad(f"has {key} of type {_type_name(meta[key])} outside 1..{MAX_COUNT:,}")
+    if "nonfinite_steps" in meta and not _count(meta["nonfinite_steps"]):
+        raise bad("has nonfinite_steps that is not a count")
     parallel = meta.get("parallel")  # every dimension's size (written since ParallelDims; absent before)
     if parallel is not None and not (
         isinstance(parallel, dict)

@@ -107,6 +107,8 @@ _ALLOWED_KEYS = {
     "data.valid_path": "what is evaluated, not what is trained",
     "train.eval_interval": "when validation runs",
     "train.eval_samples": "what is evaluated, not what is trained",
+    "train.nonfinite": "what a step that is not finite does",
+    "train.nonfinite_max_skips": "what a step that is not finite does",
     "parallel.backend": "the collective transport",
     "parallel.data_parallel_wrapper": "the data-parallel wrapper",
     "parallel.expert_parallel_size": "where experts live; checkpoints hold every expert once, by global index",

@@ -20,6 +20,7 @@ OVERLONG_POLICIES = ("error", "truncate", "drop")
 # Activation recomputation (backend.model.recompute): none, the core attention, or whole layers.
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 FUSED_LOGITS_KERNELS = ("none", "liger")
+NONFINITE_POLICIES = ("stop", "skip")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
@@ -244,6 +245,12 @@ class TrainConfig:
     # Validation samples evaluated each time, the same ones every time (0 = all).
     eval_samples: int = 0
     seed: int = 1234
+    # A step whose loss or gradient norm is not finite (NaN / inf; every rank decides the same):
+    # stop ends the run before its update, naming the step, the value and the last good checkpoint
+    # (saved then if the interval had not); skip applies no update, counts the step
+    # (nonfinite_steps in the metrics) and stops once more than nonfinite_max_skips were skipped.
+    nonfinite: str = "stop"
+    nonfinite_max_skips: int = 10
     # auto: bf16 on CUDA, fp32 on CPU.
     precision: str = "auto"
 

@@ -18,6 +18,7 @@ from .schema import (
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
     MODEL_HEADS,
+    NONFINITE_POLICIES,
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     PRECISIONS,
@@ -36,6 +37,7 @@ _CHOICES = {
     "model.attention_backend": ATTENTION_BACKENDS,
     "model.recompute_granularity": RECOMPUTE_GRANULARITIES,
     "model.logits_fused_kernel": FUSED_LOGITS_KERNELS,
+    "train.nonfinite": NONFINITE_POLICIES,
     "data.overlong": OVERLONG_POLICIES,
     "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
@@ -82,6 +84,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = (
     "model.logits_chunk_tokens",
+    "train.nonfinite_max_skips",
     "model.ffn_hidden_size",
     "model.vocab_size",
     "model.max_position_embeddings",

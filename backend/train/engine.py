@@ -42,7 +42,7 @@ from .memory_meter import MemoryMeter, resident_tensors
 from .memory_probe import probe_memory
 from .optim import build_optimizer, build_scheduler
 from .rollout import build_reference
-from .step import train_step
+from .step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class Engine:
         self.build_stream(cfg)
 
         self.step = 0
+        self.nonfinite_steps = 0  # steps train.nonfinite=skip applied no update to (kept in checkpoints)
         self.wandb_run_id = None
         self.resumed_meta: dict | None = None  # the checkpoint's meta.json when this run resumed
         if cfg.checkpoint.resume and (
@@ -143,6 +144,7 @@ class Engine:
             self.meter.track(resident_tensors(self.model, self.optimizer))  # the loaded optimizer state
             self.restore_stream(meta)
             self.wandb_run_id = meta.get("wandb_run_id")
+            self.nonfinite_steps = meta.get("nonfinite_steps") or 0
             loss = cfg.loss
             rollout = loss.minibatches_per_rollout
             if self.policy and loss.old_logprobs == "recompute" and self.step % rollout and env.is_main:
@@ -343,20 +345,60 @@ class Engine:
                 f"{ids}{' ...' if len(data.window_ids) > 8 else ''}) hold no loss tokens (every loss_mask is 0), so "
                 f"there is nothing to train on; check the data's loss_mask (or its chat template's assistant turns)"
             )
-        with self.meter.step():
-            out = train_step(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                data,
-                self.env,
-                clip_grad=self.cfg.optimizer.clip_grad,
-                step=self.step,
-                objective=self.objective,
-            )
+        try:
+            with self.meter.step():
+                out = train_step(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    data,
+                    self.env,
+                    clip_grad=self.cfg.optimizer.clip_grad,
+                    step=self.step,
+                    objective=self.objective,
+                    nonfinite=self.cfg.train.nonfinite,
+                )
+        except NonFiniteError as e:
+            raise self.stop_nonfinite(str(e)) from None
+        if out.pop("update_skipped", 0):
+            self.nonfinite_steps += 1
+            limit = self.cfg.train.nonfinite_max_skips
+            if self.env.is_main:
+                log.warning(
+                    "step %d: loss %s, gradient norm %s: not finite, no update applied (train.nonfinite=skip; "
+                    "%d skipped, at most %d)",
+                    self.step,
+                    out["loss"],
+                    out["grad_norm"],
+                    self.nonfinite_steps,
+                    limit,
+                )
+            if self.nonfinite_steps > limit:
+                raise self.stop_nonfinite(
+                    f"step {self.step}: {self.nonfinite_steps} steps were not finite, more than "
+                    f"train.nonfinite_max_skips={limit}"
+                )
+        out["nonfinite_steps"] = self.nonfinite_steps
         out["peak_memory_bytes"] = self.meter.peak_bytes
         out.update(self.check_memory(data, self.meter.peak_bytes))
         return self.log_step(data, out, data_time, report=report, extra=extra)
+
+    def stop_nonfinite(self, what: str) -> NonFiniteError:
+        """The error that ends a run at a step that is not finite (no update applied at it), after
+        making sure the last good state is on disk: the step before is saved unless the interval
+        already did (or nothing was trained yet). Every rank arrives here together (the loss and
+        the gradient norm are sums over all ranks), so the save's collectives line up. The saved
+        data-stream position is past the failed window: a resumed run goes on with the next one."""
+        good, step = self.step - 1, self.step
+        path = self.ckpt_dir / f"step_{good:08d}"
+        if good > 0 and not path.is_dir():
+            self.step = good
+            try:
+                path = self.save()
+            finally:
+                self.step = step
+        where = f"the last good checkpoint is {path} (step {good})" if good > 0 else "nothing was trained yet"
+        return NonFiniteError(f"{what}; {where}; lower optimizer.lr (or set train.nonfinite=skip) and resume")
 
     def log_step(self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None) -> dict:
         """Step metrics (train_step's, the plan's, the data's and ``extra``) to the console, jsonl and wandb."""
@@ -383,6 +425,7 @@ class Engine:
         extra = {
             "data": self.stream_state(),
             "wandb_run_id": self.wandb_run_id,
+            "nonfinite_steps": self.nonfinite_steps,
             "config": dataclasses.asdict(self.cfg),
         }
         if state is not None:

@@ -27,6 +27,7 @@ import torch
 
 from backend.data.iterator import StepData
 from backend.distributed.fsdp import clip_grad_norm, set_grad_sync
+from backend.errors import UserError
 from backend.loss.outputs import placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
 from backend.model import moe_stats
@@ -36,8 +37,9 @@ from backend.model import moe_stats
 MicrobatchHook = Callable[[int], AbstractContextManager]
 
 
-class NonFiniteError(FloatingPointError):
-    pass
+class NonFiniteError(UserError, FloatingPointError):
+    """A step whose loss or gradient norm is not finite, under ``train.nonfinite=stop`` (no update
+    was applied); printed as one line naming the step and the value."""
 
 
 def forward_backward(
@@ -83,17 +85,26 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
             total.backward()
 
 
-def apply_update(model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int, group) -> dict:
+def apply_update(
+    model, optimizer, scheduler, *, loss: float, clip_grad: float, step: int, group, nonfinite: str = "stop"
+) -> dict:
     """Clip, check and apply the accumulated gradient; returns grad_norm and the lr used. ``group``:
-    the ranks whose gradient shards make up the whole (the gradient norm's sum)."""
+    the ranks whose gradient shards make up the whole (the gradient norm's sum).
+
+    A loss or gradient norm that is not finite (both are sums over every rank, so every rank sees
+    the same: a NaN on one rank reaches all of them) applies no update: ``nonfinite="stop"``
+    raises ``NonFiniteError``; ``"skip"`` drops the gradient, steps the schedule (the step counts)
+    and returns ``update_skipped`` 1."""
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group)
+    lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(
-            f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); the update was skipped"
-        )
-    lr = optimizer.param_groups[0]["lr"]
+        if nonfinite == "skip":
+            scheduler.step()
+            return {"grad_norm": grad_norm, "lr": lr, "update_skipped": 1}
+        what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm})"
+        raise NonFiniteError(f"step {step}: non-finite {what}; the update was not applied")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -112,16 +123,24 @@ def train_step(
     microbatch_hook=None,
     loss_cfg=None,
     objective: Objective | None = None,
+    nonfinite: str = "stop",
 ) -> dict:
     """Forward/backward every microbatch of ``data`` with ``objective`` (or ``loss_cfg``'s), check,
-    clip, update. Returns step metrics."""
+    clip, update (``nonfinite``: see ``apply_update``). Returns step metrics."""
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     start = time.perf_counter()
     window = forward_backward(model, data, env, loss_cfg=loss_cfg, objective=objective, microbatch_hook=microbatch_hook)
     moe = moe_stats.window_metrics(model, len(data.window_ids), env)  # {} for dense models
     out = apply_update(
-        model, optimizer, scheduler, loss=window["loss"], clip_grad=clip_grad, step=step, group=env.group("world")
+        model,
+        optimizer,
+        scheduler,
+        loss=window["loss"],
+        clip_grad=clip_grad,
+        step=step,
+        group=env.group("world"),
+        nonfinite=nonfinite,
     )
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
