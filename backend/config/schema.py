@@ -422,6 +422,9 @@ class RLConfig:
     # The reward: "module:function" or "path/to/file.py:function", called as fn(prompt, response, row)
     # -> float, with the prompt's text, the response's text and the prompt's JSONL row.
     reward: str = ""
+    # Seconds one reward call may take (0 = no limit): past it the step stops with an error naming
+    # the function and the rollout on every rank (nothing of the step is trained), never a hang.
+    reward_timeout_s: float = 600.0
     # Token ids that end a response (empty: model.hf_checkpoint's eos_token_id, else the tokenizer's
     # end of document with data.append_eod, else none: responses run to max_new_tokens).
     stop_token_ids: list[int] = field(default_factory=list)

@@ -333,6 +333,8 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         )
     if not (math.isfinite(cfg.rl.temperature) and cfg.rl.temperature > 0):
         errors.append(f"rl.temperature={cfg.rl.temperature}: must be > 0")
+    if not (math.isfinite(cfg.rl.reward_timeout_s) and cfg.rl.reward_timeout_s >= 0):
+        errors.append(f"rl.reward_timeout_s={cfg.rl.reward_timeout_s}: must be >= 0 (0 = no limit)")
     for key in ("rl.gamma", "rl.lam"):
         if not 0 <= get(cfg, key) <= 1:
             errors.append(f"{key}={get(cfg, key)}: must be in [0, 1]")

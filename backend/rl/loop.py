@@ -156,7 +156,17 @@ class GRPOLoop:
                 for k, c in enumerate(completions):
                     response = self.worker.tokenizer.decode(c.token_ids)
                     where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
-                    rewards.append(score(self.reward_fn, rl.reward, prompt.text, response, prompt.row, where=where))
+                    rewards.append(
+                        score(
+                            self.reward_fn,
+                            rl.reward,
+                            prompt.text,
+                            response,
+                            prompt.row,
+                            where=where,
+                            timeout_s=rl.reward_timeout_s,
+                        )
+                    )
             except RewardError as e:
                 error = ("reward", str(e))
                 break

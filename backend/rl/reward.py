@@ -13,6 +13,8 @@ import importlib.util
 import math
 import numbers
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,10 +58,43 @@ def load_reward(spec: str) -> Callable:
     return fn
 
 
-def score(fn: Callable, spec: str, prompt: str, response: str, row: dict, *, where: str) -> float:
-    """``fn(prompt, response, row)`` as a finite float, or a ``RewardError`` saying why not."""
+def _call_within(fn: Callable, args: tuple, timeout_s: float):
+    """``fn(*args)``, or TimeoutError after ``timeout_s`` seconds (0: no limit). The call runs in a
+    daemon thread: Python cannot stop a thread, so one that never returns is left behind and dies
+    with the process (the loop stops on the error); a result is never taken from it later."""
+    if not timeout_s:
+        return fn(*args)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def score(
+    fn: Callable, spec: str, prompt: str, response: str, row: dict, *, where: str, timeout_s: float = 0.0
+) -> float:
+    """``fn(prompt, response, row)`` as a finite float, or a ``RewardError`` saying why not
+    (``timeout_s`` > 0: also when it has not returned after that many seconds)."""
+    start = time.perf_counter()
     try:
-        value = fn(prompt, response, row)
+        value = _call_within(fn, (prompt, response, row), timeout_s)
+    except TimeoutError:
+        raise RewardError(
+            f"rl.reward={spec}: no result after {time.perf_counter() - start:.1f} s (rl.reward_timeout_s="
+            f"{timeout_s:g}) on {where}"
+        ) from None
     except Exception as e:
         raise RewardError(f"rl.reward={spec}: raised {type(e).__name__}: {e} (on {where})") from e
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

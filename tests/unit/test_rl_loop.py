@@ -107,6 +107,29 @@ def test_a_failing_reward_stops_the_step_naming_it_and_trains_nothing(worker, tm
     assert (len(read_metrics(metrics)[0]) if metrics.exists() else 0) == rows_before
 
 
+def test_a_reward_that_never_returns_stops_the_step_within_its_timeout(worker, tmp_path):
+    """rl.reward_timeout_s: a reward stuck for an hour ends the step after about the limit with an
+    error naming the function, the prompt and the time (on every rank: the loop's error exchange)."""
+    import time
+
+    spec = tmp_path / "stuck_reward.py"
+    spec.write_text("import time\n\ndef reward(prompt, response, row):\n    time.sleep(3600)\n")
+    before = worker.step
+    loop = _loop(worker, reward=f"{spec}:reward", prompts=str(REPO / "configs/grpo_demo/prompts.jsonl"))
+    loop.cfg.rl.reward_timeout_s = 1.0
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RewardError) as e:
+            loop.step()
+    finally:
+        loop.cfg.rl.reward_timeout_s = 600.0
+    assert time.perf_counter() - start < 30
+    text = str(e.value)
+    assert f"rl.reward={spec}:reward: no result after 1.0 s (rl.reward_timeout_s=1)" in text
+    assert "prompts.jsonl:" in text and "nothing of this step was trained" in text
+    assert worker.step == before
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
