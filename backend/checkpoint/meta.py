@@ -56,6 +56,23 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def _valid_digests(d: Any) -> bool:
+    files = d.get("files") if isinstance(d, dict) else None
+    return (
+        d.get("algorithm") == "xxh3_128"
+        and isinstance(files, dict)
+        and len(files) <= 100_000
+        and all(
+            isinstance(k, str)
+            and 0 < len(k) <= 255
+            and "/" not in k
+            and isinstance(v, str)
+            and re.fullmatch(r"[0-9a-f]{32}", v)
+            for k, v in files.items()
+        )
+    )
+
+
 def validate_meta(meta: Any, file: Path) -> None:
     def bad(what: str) -> CheckpointMetaError:
         return CheckpointMetaError(f"{file}: checkpoint metadata {what}")
@@ -68,7 +85,7 @@ def validate_meta(meta: Any, file: Path) -> None:
     unknown = sorted(
         set(meta)
         - {"step", "scheduler", "world_size", "dp_size", "cp_size", "parallel", "data", "wandb_run_id", "config"}
-        - {"caller_state", "nonfinite_steps"}
+        - {"caller_state", "nonfinite_steps", "digests"}
     )
     if unknown:
         raise bad(f"holds {len(unknown)} unknown key(s) (e.g. {unknown[0][:40]!r})")
@@ -80,6 +97,8 @@ def validate_meta(meta: Any, file: Path) -> None:
     for key in ("dp_size", "cp_size", "world_size"):
         if key in meta and not _count(meta[key], 1):
             raise bad(f"has {key} of type {_type_name(meta[key])} outside 1..{MAX_COUNT:,}")
+    if "digests" in meta and not _valid_digests(meta["digests"]):
+        raise bad("has digests that are not {algorithm: xxh3_128, files: {name: hex digest}}")
     if "nonfinite_steps" in meta and not _count(meta["nonfinite_steps"]):
         raise bad("has nonfinite_steps that is not a count")
     parallel = meta.get("parallel")  # every dimension's size (written since ParallelDims; absent before)

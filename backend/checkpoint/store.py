@@ -26,9 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from backend.distributed.collectives import all_gather_objects
 from backend.errors import CheckpointError
 
 from .files import check_step_dir, load_rng_file
+from .integrity import ALGORITHM, check, digest_share, mismatches, step_files, verify_step
 from .meta import META, STEP_DIR, read_meta, restore_scheduler
 from .safe_dcp import safe_load
 
@@ -92,6 +94,7 @@ def load_model_weights(model, step_dir: str | Path) -> None:
     """Only the model's weights from one of our checkpoints, pickle-free (``safe_load``); the
     optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
     check_step_dir(step_dir)
+    verify_step(Path(step_dir), read_meta(Path(step_dir)))
     state = {"model": get_model_state_dict(model)}
     safe_load(state, step_dir)
     set_model_state_dict(model, state["model"])
@@ -112,7 +115,12 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
     torch.save(rng, tmp / f"rng_rank{env.rank}.pt")
+    world = env.group("world")
+    dist.barrier(group=world)  # every rank's files are written: hash them, a share each
+    names = step_files(tmp)
+    shares = all_gather_objects(digest_share(tmp, names, env.rank, env.world_size), group=world)
     if env.is_main:
+        digests = {"algorithm": ALGORITHM, "files": {k: v for share in shares for k, v in share.items()}}
         meta = {
             "step": step,
             "scheduler": scheduler.state_dict(),
@@ -120,6 +128,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
             "dp_size": env.dp_size,
             "cp_size": env.cp_size,
             "parallel": env.dims.sizes(),  # every dimension (world_size, dp, cp, ep, tp, pp)
+            "digests": digests,  # every other file's, checked on load (integrity.py)
             **extra,
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -142,6 +151,8 @@ def load_checkpoint(
     path = Path(path)
     check_step_dir(path)
     meta = read_meta(path) if meta is None else meta
+    found = mismatches(path, meta["digests"], env.rank, env.world_size) if "digests" in meta else []
+    check(path, meta, [m for part in all_gather_objects(found, group=env.group("world")) for m in part])
     if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not allow_dp_change):
         raise ResumeError(
             f"{path} was written with data-parallel size {meta['dp_size']} and context-parallel size "
