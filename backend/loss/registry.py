@@ -41,17 +41,25 @@ class Objective:
         raise NotImplementedError
 
 
-def register_loss(name: str):
-    """Class decorator: ``loss.type: name`` builds this objective."""
+def registrar(table: dict, what: str):
+    """A class decorator factory filling ``table`` by name (objectives here, advantage estimators
+    in ``backend.rl.advantages``); a name taken by another class is refused."""
 
-    def wrap(cls: type[Objective]) -> type[Objective]:
-        if name in LOSSES and LOSSES[name] is not cls:
-            raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].__name__}, {cls.__name__})")
-        cls.name = name
-        LOSSES[name] = cls
-        return cls
+    def register(name: str):
+        def wrap(cls):
+            if name in table and table[name] is not cls:
+                raise ValueError(f"{what} {name!r} is registered twice ({table[name].__name__}, {cls.__name__})")
+            cls.name = name
+            table[name] = cls
+            return cls
 
-    return wrap
+        return wrap
+
+    return register
+
+
+#: Class decorator: ``loss.type: name`` builds this objective.
+register_loss = registrar(LOSSES, "loss")
 
 
 def _discover() -> None:

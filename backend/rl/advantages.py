@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from backend.loss.registry import registrar
+
 EPS = 1e-6
 
 
@@ -72,17 +74,8 @@ def gae(
 ADVANTAGES: dict[str, type] = {}
 
 
-def register_advantage(name: str):
-    """Class decorator: ``rl.advantage: name`` builds this estimator (with the ``rl`` section)."""
-
-    def wrap(cls):
-        if name in ADVANTAGES and ADVANTAGES[name] is not cls:
-            raise ValueError(f"advantage {name!r} is registered twice ({ADVANTAGES[name].__name__}, {cls.__name__})")
-        cls.name = name
-        ADVANTAGES[name] = cls
-        return cls
-
-    return wrap
+#: Class decorator: ``rl.advantage: name`` builds this estimator (with the ``rl`` section).
+register_advantage = registrar(ADVANTAGES, "advantage")
 
 
 def build_advantage(rl):

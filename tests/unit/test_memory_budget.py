@@ -92,7 +92,7 @@ def test_no_planned_microbatch_is_predicted_over_the_limit(lengths, gib, cp, lay
             assert TRUE.predict(mb.cost, mb.area / cp) <= limit * (1 - margin) + 1e-6
 
 
-def build_tiny(world, recompute: str = "none"):
+def build_tiny(world, recompute: str = "none", extra: tuple = ()):
     cfg = validate(
         load_config(
             TINY,
@@ -102,8 +102,10 @@ def build_tiny(world, recompute: str = "none"):
                 "train.memory_limit_gib=0.5",
                 "data.max_seq_length=256",
                 f"model.recompute_granularity={recompute}",
+                *extra,
             ],
-        )
+        ),
+        from_memory=bool(extra),  # a policy loss: rows come from memory (data.path holds none)
     )
     built = build_model(cfg, world, tokenizer_vocab=256)
     optimizer = build_optimizer(built.model, cfg.optimizer)
@@ -233,22 +235,8 @@ def test_the_probe_prices_the_runs_own_objective(world, probed):
     beside the logits (more bytes a token than cross-entropy), and its budget holds on held-out
     shapes under that objective. Probed with cross-entropy instead, an unchunked policy run on a
     151,936-token vocabulary measured steps 45% over the prediction."""
-    policy = ["loss.type=policy", "loss.entropy_coef=0.01", "loss.old_logprobs=detach"]
-    cfg = validate(
-        load_config(
-            TINY,
-            [
-                "train.dynamic_batch_enable=true",
-                "train.max_tokens_per_gpu=auto",
-                "train.memory_limit_gib=0.5",
-                "data.max_seq_length=256",
-                *policy,
-            ],
-        ),
-        from_memory=True,
-    )
-    built = build_model(cfg, world, tokenizer_vocab=256)
-    optimizer = build_optimizer(built.model, cfg.optimizer)
+    policy = ("loss.type=policy", "loss.entropy_coef=0.01", "loss.old_logprobs=detach")
+    cfg, built, optimizer = build_tiny(world, extra=policy)
     meter = MemoryMeter(world.device, resident_tensors(built.model, optimizer))
     result = probe_memory(built.model, optimizer, cfg, world, backend=built.attention_backend, meter=meter)
     assert result.fit.b > probed.fit.b  # the softmax the entropy holds
