@@ -25,7 +25,7 @@ import xxhash
 
 from backend.errors import CheckpointError
 
-from .meta import META
+from .meta import META, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ def check(step_dir: Path, meta: dict, found: list[str]) -> None:
         raise CheckpointIntegrityError(f"{step_dir}: damaged: {found[0]}{more}")
 
 
-def verify_step(step_dir: Path, meta: dict) -> None:
-    """Every file of one step checked in this process (export, log-probabilities, references)."""
+def verify_step(step_dir: Path) -> None:
+    """Every file of one step checked in this process (export, log-probabilities, references). A
+    step without meta.json (weights saved by hand with DCP) has nothing to check against: noted."""
+    if not (Path(step_dir) / META).is_file():
+        log.info("%s: no %s, so no digests: its bytes are not verified", step_dir, META)
+        return
+    meta = read_meta(step_dir)
     check(step_dir, meta, mismatches(step_dir, meta["digests"]) if "digests" in meta else [])

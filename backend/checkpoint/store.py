@@ -94,7 +94,7 @@ def load_model_weights(model, step_dir: str | Path) -> None:
     """Only the model's weights from one of our checkpoints, pickle-free (``safe_load``); the
     optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
     check_step_dir(step_dir)
-    verify_step(Path(step_dir), read_meta(Path(step_dir)))
+    verify_step(Path(step_dir))
     state = {"model": get_model_state_dict(model)}
     safe_load(state, step_dir)
     set_model_state_dict(model, state["model"])

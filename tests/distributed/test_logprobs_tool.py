@@ -108,6 +108,12 @@ def test_a_planted_metadata_payload_is_one_error_line_and_never_runs(tmp_path, t
     shutil.copy(run / "config.yaml", tmp_path / "planted" / "config.yaml")
     marker = tmp_path / "MARKER"
     (step / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    # The attacker writes the digests too (meta.json is theirs): the safe reader behind them refuses.
+    from backend.checkpoint.integrity import file_digest
+
+    meta = json.loads((step / "meta.json").read_text())
+    meta["digests"]["files"][".metadata"] = file_digest(step / ".metadata")
+    (step / "meta.json").write_text(json.dumps(meta))
     samples = tmp_path / "samples.jsonl"
     samples.write_text(json.dumps({"text": "abc"}) + "\n")
     if tool == "compute_logprobs":
