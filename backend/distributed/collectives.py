@@ -68,16 +68,34 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (recv_splits, send_splits), group
-        out = x.new_empty(sum(recv_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
+        return _uneven_all_to_all(x, recv_splits, send_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         recv_splits, send_splits = ctx.splits
-        out = grad.new_empty(sum(send_splits), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return out, None, None, None
+        return _uneven_all_to_all(grad, send_splits, recv_splits, ctx.group), None, None, None
+
+
+def _uneven_all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` with uneven splits. On gloo the blocks go as equal splits padded to
+    the group's largest (one MAX all-reduce of one integer first): gloo's uneven path with empty
+    blocks (an expert rank routed no token from a peer) aborted a rank once on another CPU, inside
+    the next collective of the same group (a read of unexpected size), where equal splits are the
+    path every other gloo collective here takes. NCCL takes the uneven splits as given."""
+    if dist.get_backend(group) != "gloo":
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+    block = torch.tensor([max(recv_splits + send_splits)], dtype=torch.int64)
+    dist.all_reduce(block, op=dist.ReduceOp.MAX, group=group)
+    rows = max(1, int(block))
+    ranks = len(send_splits)
+    padded = x.new_zeros(ranks, rows, *x.shape[1:])
+    for r, part in enumerate(torch.split(x.contiguous(), send_splits)):
+        padded[r, : part.shape[0]] = part
+    out = torch.empty_like(padded)
+    dist.all_to_all_single(out, padded, group=group)
+    return torch.cat([out[r, :n] for r, n in enumerate(recv_splits)])
 
 
 def all_to_all_rows(x: torch.Tensor, *, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
