@@ -35,6 +35,9 @@ class PlanArgs:
 
     dp_size: int
     cp_size: int = 1
+    # The sequence-parallel split: the tensor-parallel size with sequence parallelism, else 1.
+    # Rows are aligned to it (with cp: to 2 x cp x sp) and priced over cp x sp GPUs.
+    sp_size: int = 1
     # Dynamic and sort-and-stride planners: tokens per GPU and microbatch, padding included.
     max_tokens_per_gpu: int | None = None
     # Fixed planner: sequences per microbatch.
@@ -51,6 +54,7 @@ class PlanArgs:
     def __post_init__(self) -> None:
         check_positive_int("dp_size", self.dp_size)
         check_positive_int("cp_size", self.cp_size)
+        check_positive_int("sp_size", self.sp_size)
         check_positive_int("pad_to_multiple", self.pad_to_multiple)
         o = self.overhead
         if isinstance(o, bool) or not isinstance(o, int) or o < 0:
@@ -65,12 +69,18 @@ class PlanArgs:
 
     @property
     def multiple(self) -> int:
-        """What every sequence is padded to: lcm(pad_to_multiple, 2*cp), or pad_to_multiple at cp 1."""
-        return pad_multiple(self.pad_to_multiple, self.cp_size)
+        """What every sequence is padded to: lcm(pad_to_multiple, 2*cp*sp), or lcm(pad_to_multiple, sp) at cp 1."""
+        return pad_multiple(self.pad_to_multiple, self.cp_size, self.sp_size)
+
+    @property
+    def cut(self) -> int:
+        """The GPUs one row's tokens are split over: cp x sp (a microbatch's cost is its padded
+        tokens over this: what one GPU holds after the CP and sequence-parallel cuts)."""
+        return self.cp_size * self.sp_size
 
     def budget(self) -> int:
-        """max_tokens_per_gpu, checked to hold at least one CP-aligned row."""
-        return check_budget(self.max_tokens_per_gpu, self.multiple, self.cp_size)
+        """max_tokens_per_gpu, checked to hold at least one aligned row."""
+        return check_budget(self.max_tokens_per_gpu, self.multiple, self.cut)
 
     @property
     def segment_multiple(self) -> int:

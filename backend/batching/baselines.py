@@ -13,7 +13,7 @@ from .pricing import microbatch_cost, round_up
 
 
 def sort_and_stride(lengths: list[int], args: PlanArgs) -> StepPlan:
-    dp, cp, multiple, budget = args.dp_size, args.cp_size, args.multiple, args.budget()
+    dp, cp, multiple, budget = args.dp_size, args.cut, args.multiple, args.budget()
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     per_rank = [order[r::dp] for r in range(dp)]
     depth = len(per_rank[0])  # rank 0 holds the most (and the longest at every position)

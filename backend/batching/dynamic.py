@@ -46,7 +46,7 @@ def dynamic(lengths: list[int], args: PlanArgs) -> StepPlan:
     """
     dp, cp, multiple, overhead, bucket_edges = (
         args.dp_size,
-        args.cp_size,
+        args.cut,
         args.multiple,
         args.overhead,
         args.bucket_edges,
@@ -166,7 +166,7 @@ def _fill_spare_places(groups, sorted_padded, cp, dp, weight) -> list[tuple[floa
 
 def _assemble(groups, order, sorted_padded, prefix, args: PlanArgs, oversize: int) -> StepPlan:
     """Deal the groups dp at a time into slots; the costliest of a slot to the least loaded rank."""
-    cp = args.cp_size
+    cp = args.cut
     microbatches = [
         Microbatch(
             indices=tuple(order[s:e]),

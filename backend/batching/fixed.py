@@ -15,7 +15,7 @@ from .pricing import round_up
 
 
 def fixed(lengths: list[int], args: PlanArgs) -> StepPlan:
-    dp, cp, multiple, mbs = args.dp_size, args.cp_size, args.multiple, args.mbs()
+    dp, cp, multiple, mbs = args.dp_size, args.cut, args.multiple, args.mbs()
     num_slots = -(-len(lengths) // (dp * mbs))
     groups: list[list[tuple[int, ...]]] = [[] for _ in range(dp)]
     for slot in range(num_slots):

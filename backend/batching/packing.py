@@ -76,7 +76,7 @@ class _Pricer:
     """Row length, fit and modelled time of a packed bin from its summed segment lengths."""
 
     def __init__(self, args: PlanArgs) -> None:
-        self.cp, self.multiple, self.budget = args.cp_size, args.multiple, args.budget()
+        self.cp, self.multiple, self.budget = args.cut, args.multiple, args.budget()
         self.weight = args.attention_weight
         self.edges = sorted(round_up(int(e), self.multiple) for e in args.bucket_edges) if args.bucket_edges else None
 
@@ -93,7 +93,7 @@ class _Pricer:
 
 def packed(lengths: list[int], args: PlanArgs) -> StepPlan:
     """Plan one window in the packed layout (see the module docstring); ``lengths`` already checked."""
-    dp, cp = args.dp_size, args.cp_size
+    dp, cp = args.dp_size, args.cut
     price = _Pricer(args)
     seg_mult = args.segment_multiple
     seg = [round_up(n, seg_mult) for n in lengths]
@@ -283,7 +283,7 @@ def _deal(microbatches: list[Microbatch], dp: int, price: _Pricer) -> list[list[
 def packed_fixed(lengths: list[int], groups: list[list[tuple[int, ...]]], args: PlanArgs) -> list[list[Microbatch]]:
     """The fixed planner's microbatches (per rank, lists of indices) as packed rows."""
     price = _Pricer.__new__(_Pricer)
-    price.cp, price.multiple, price.weight = args.cp_size, args.multiple, args.attention_weight
+    price.cp, price.multiple, price.weight = args.cut, args.multiple, args.attention_weight
     price.edges, price.budget = None, None
     seg = [round_up(n, args.segment_multiple) for n in lengths]
     return [[_microbatch(list(ix), lengths, seg, price) if ix else EMPTY_MICROBATCH for ix in rank] for rank in groups]

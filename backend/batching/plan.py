@@ -91,6 +91,7 @@ class StepPlan:
     overhead: int = DEFAULT_MICROBATCH_OVERHEAD
     attention_weight: float = DEFAULT_ATTENTION_WEIGHT
     layout: str = "padded"
+    sp_size: int = 1  # the sequence-parallel split (rows priced over cp_size x sp_size GPUs)
     _fingerprint: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +105,7 @@ class StepPlan:
         return cls(
             ranks=tuple(tuple(r) for r in ranks),
             cp_size=args.cp_size,
+            sp_size=args.sp_size,
             max_tokens_per_gpu=args.budget() if budgeted else None,
             pad_multiple=args.multiple,
             oversize_singletons=oversize,
@@ -161,7 +163,7 @@ class StepPlan:
         attention term (attention_weight * area / cp); the per-microbatch overhead is separate."""
         if not self.attention_weight:
             return mb.cost
-        return mb.cost + self.attention_weight * mb.area / self.cp_size
+        return mb.cost + self.attention_weight * mb.area / (self.cp_size * self.sp_size)
 
     def slot_costs(self) -> list[float]:
         """The slowest rank's modelled time in each microbatch slot (its cost when attention_weight is 0)."""
@@ -237,6 +239,7 @@ class StepPlan:
             "fingerprint": self.fingerprint,
             "dp_size": self.dp_size,
             "cp_size": self.cp_size,
+            "sp_size": self.sp_size,
             "max_tokens_per_gpu": self.max_tokens_per_gpu,
             "pad_multiple": self.pad_multiple,
             "kind": self.kind,

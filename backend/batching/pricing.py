@@ -14,11 +14,14 @@ import operator
 from collections.abc import Sequence
 
 
-def pad_multiple(pad_to_multiple: int, cp_size: int) -> int:
-    """The multiple every sequence is padded to: lcm(pad_to_multiple, 2*cp), or pad_to_multiple at cp 1."""
+def pad_multiple(pad_to_multiple: int, cp_size: int, sp_size: int = 1) -> int:
+    """The multiple every sequence is padded to: lcm(pad_to_multiple, 2*cp*sp), or
+    lcm(pad_to_multiple, sp) at cp 1. ``sp_size``: the sequence-parallel split (the tensor-parallel
+    size with sequence parallelism, else 1): each CP rank's local row, L / cp, is cut into sp
+    equal parts between the TP regions (torchtitan's ``seq_len_divisor = tp * 2 * cp``)."""
     if cp_size == 1:
-        return pad_to_multiple
-    return math.lcm(pad_to_multiple, 2 * cp_size)
+        return math.lcm(pad_to_multiple, sp_size)
+    return math.lcm(pad_to_multiple, 2 * cp_size * sp_size)
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -26,7 +29,8 @@ def round_up(length: int, multiple: int) -> int:
 
 
 def microbatch_cost(num_sequences: int, padded_len: int, cp_size: int) -> int:
-    """Tokens one GPU holds for a microbatch: n rows of padded_len, each split over cp ranks."""
+    """Tokens one GPU holds for a microbatch: n rows of padded_len, each split over cp ranks (the
+    planner passes its ``cut``, cp x sp, when sequence parallelism splits the rows further)."""
     return num_sequences * padded_len // cp_size
 
 
@@ -62,9 +66,9 @@ def check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def smallest_budget(pad_to_multiple: int, cp_size: int) -> int:
-    """The least max_tokens_per_gpu that holds one sequence: a row padded to the multiple, over cp."""
-    return microbatch_cost(1, pad_multiple(pad_to_multiple, cp_size), cp_size)
+def smallest_budget(pad_to_multiple: int, cp_size: int, sp_size: int = 1) -> int:
+    """The least max_tokens_per_gpu that holds one sequence: a row padded to the multiple, over cp x sp."""
+    return microbatch_cost(1, pad_multiple(pad_to_multiple, cp_size, sp_size), cp_size * sp_size)
 
 
 def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int:
@@ -74,7 +78,7 @@ def check_budget(max_tokens_per_gpu: object, multiple: int, cp_size: int) -> int
     if budget < smallest:
         raise ValueError(
             f"max_tokens_per_gpu={budget} is below the smallest possible microbatch: one sequence "
-            f"padded to {multiple} tokens (lcm of pad_to_multiple and 2*cp_size) over cp_size={cp_size} "
+            f"padded to {multiple} tokens (lcm of pad_to_multiple and 2*cp_size*sp_size) over cp_size*sp_size={cp_size} "
             f"holds {smallest} tokens per GPU; use max_tokens_per_gpu >= {smallest}"
         )
     return budget

@@ -40,13 +40,13 @@ def make_planner(kind: str, args: PlanArgs) -> Planner:
 
 def plan_dynamic(lengths: Sequence[int], **args) -> StepPlan:
     """Dynamic batching under ``max_tokens_per_gpu`` (keyword arguments: the fields of ``PlanArgs``:
-    dp_size, cp_size=1, max_tokens_per_gpu, pad_to_multiple=1, overhead, bucket_edges,
+    dp_size, cp_size=1, sp_size=1, max_tokens_per_gpu, pad_to_multiple=1, overhead, bucket_edges,
     layout="padded" | "packed", attention_weight)."""
     return plan("dynamic", lengths, PlanArgs(**args))
 
 
 def plan_fixed(lengths: Sequence[int], **args) -> StepPlan:
-    """Fixed ``micro_batch_size`` (keyword arguments: dp_size, cp_size=1, micro_batch_size,
+    """Fixed ``micro_batch_size`` (keyword arguments: dp_size, cp_size=1, sp_size=1, micro_batch_size,
     pad_to_multiple=1, overhead, layout)."""
     return plan("fixed", lengths, PlanArgs(**args))
 

@@ -20,12 +20,15 @@ import torch
 from backend.distributed.collectives import dist_max
 from backend.distributed.fsdp import full_tensor
 from backend.distributed.launch import torchrun_command
+from backend.model.tensor_parallel import full_param
 
 
-def _full_flat(tensors) -> torch.Tensor:
+def _full_flat(model, named) -> torch.Tensor:
+    """Every (name, tensor) of ``named`` whole (FSDP2 shards, then TP slices gathered), flattened
+    into one FP64 vector: what each arm records, whatever its parallel layout."""
     parts = []
-    for t in tensors:
-        t = full_tensor(t)
+    for name, t in named:
+        t = full_param(model, name, full_tensor(t))
         parts.append(t.detach().reshape(-1).double().cpu())
     return torch.cat(parts)
 
@@ -59,7 +62,8 @@ def worker(argv: list[str]) -> int:
     env = init_from_config(cfg)
     try:
         trainer = Trainer(cfg, env)
-        params = [p for p in trainer.model.parameters()]
+        named = list(trainer.model.named_parameters())
+        model = trainer.model
         record: dict = {
             "loss": [],
             "grad_norm": [],
@@ -73,7 +77,7 @@ def worker(argv: list[str]) -> int:
         peak = 0
         for _ in range(int(steps)):
             trainer.step += 1
-            before = _full_flat(params)
+            before = _full_flat(model, named)
             data, data_time = trainer.next_data()
             start = time.perf_counter()
             with trainer.meter.step():  # the trainer's memory meter: this step's peak on any device
@@ -86,7 +90,7 @@ def worker(argv: list[str]) -> int:
                     record.setdefault(key, []).append(value)
             for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids), env).items():
                 record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
-            record["grad"].append(_full_flat(p.grad for p in params))  # before clipping
+            record["grad"].append(_full_flat(model, [(n, p.grad) for n, p in named]))  # before clipping
             start = time.perf_counter()
             with trainer.meter.step():
                 update = apply_update(
@@ -103,13 +107,19 @@ def worker(argv: list[str]) -> int:
             peak = max(peak, step_peak)
             out_row = {**window, **update, "step_time_s": step_time, "peak_memory_bytes": step_peak}
             metrics = trainer.log_step(data, out_row, data_time)
-            record["update"].append(_full_flat(params) - before)
+            record["update"].append(_full_flat(model, named) - before)
             for key in ("loss", "grad_norm", "step_time_s", "num_microbatches", "padding_efficiency"):
                 record[key].append(metrics[key])
-        record["params"] = _full_flat(params)
+        record["params"] = _full_flat(model, named)
         record["peak_memory_bytes"] = int(dist_max(peak, env.device, group=env.group("world")))
         record["world_size"] = env.world_size
         record["expert_parallel_size"] = env.ep_size
+        record["tensor_parallel_size"] = env.tp_size
+        # the attention and MLP linear weights: elements this rank holds once FSDP2 has gathered
+        # them (its TP slice) against the whole model's
+        layers = [(n, p) for n, p in named if ".linear_" in n]
+        record["layer_numel_held"] = sum(full_tensor(p).numel() for _, p in layers)
+        record["layer_numel_whole"] = sum(full_param(model, n, full_tensor(p)).numel() for n, p in layers)
         record["experts_per_rank"] = held.get("experts")
         if env.is_main:
             torch.save(record, out)

@@ -28,6 +28,7 @@ from backend.distributed.fsdp import full_tensor
 from backend.model.factory import build_model
 from backend.model.hf.export import export_hf_dir
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from backend.model.tensor_parallel import full_param
 
 from .store import load_model_weights
 
@@ -35,9 +36,10 @@ log = logging.getLogger(__name__)
 
 
 def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked for)."""
+    """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked
+    for, then the tensor-parallel slices)."""
     for name, t in model.state_dict().items():
-        yield name, full_tensor(t) if isinstance(t, torch.Tensor) else t
+        yield name, full_param(model, name, full_tensor(t)) if isinstance(t, torch.Tensor) else t
 
 
 def _tokenizer_source(cfg) -> Path | None:

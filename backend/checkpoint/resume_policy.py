@@ -42,6 +42,10 @@ Allowed, reported:
   stacked expert tensor once at its global shape [E, ...] (DCP records every shard's offset), so a
   run saved at EP 2 resumes at another EP size in a world of the same size (EP 2 -> 1 tested)
   and its gradient is the same function of the weights.
+- ``parallel.tensor_parallel_size`` / ``parallel.sequence_parallel``: a checkpoint stores every
+  split tensor whole (``tp_state``: the TP 1 layout), so TP 2 resumes at TP 1 in a world of the
+  same size (tested); the data-parallel size that changes with it (world / (cp x tp)) deals the
+  same windows over more or fewer ranks.
 - ``loss.*`` except ``loss.type``: the policy loss's hyperparameters (like the optimizer's); a
   change of ``loss.type`` itself is refused (another objective, another run).
 - ``rl.*`` except ``rl.prompts`` and ``rl.prompts_per_step`` (refused: the saved position of the
@@ -112,6 +116,8 @@ _ALLOWED_KEYS = {
     "parallel.backend": "the collective transport",
     "parallel.data_parallel_wrapper": "the data-parallel wrapper",
     "parallel.expert_parallel_size": "where experts live; checkpoints hold every expert once, by global index",
+    "parallel.tensor_parallel_size": "how layers are split; checkpoints hold whole tensors (the TP 1 layout)",
+    "parallel.sequence_parallel": "where activations live between the TP regions, not the weights",
 }
 _REFUSED_SECTIONS = {"model.": "the model's architecture or weights"}
 _ALLOWED_SECTIONS = {

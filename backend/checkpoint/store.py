@@ -33,6 +33,7 @@ from .files import check_step_dir, load_rng_file
 from .integrity import ALGORITHM, check, digest_share, mismatches, step_files, verify_step
 from .meta import META, STEP_DIR, read_meta, restore_scheduler
 from .safe_dcp import safe_load
+from .tp_state import from_whole_layout, to_whole_layout
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,11 @@ def load_model_weights(model, step_dir: str | Path) -> None:
     optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
     check_step_dir(step_dir)
     verify_step(Path(step_dir))
-    state = {"model": get_model_state_dict(model)}
-    safe_load(state, step_dir)
-    set_model_state_dict(model, state["model"])
+    model_sd = get_model_state_dict(model)
+    whole, _, swapped = to_whole_layout(model, model_sd, fill=False)  # tensor parallelism: whole tensors on disk
+    safe_load({"model": whole}, step_dir)
+    from_whole_layout(model, swapped)
+    set_model_state_dict(model, model_sd)
 
 
 def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int) -> Path:
@@ -110,6 +113,7 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
         tmp.mkdir()
     dist.barrier(group=env.group("world"))
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd, _ = to_whole_layout(model, model_sd, optim_sd, fill=True)  # TP: the whole tensors' layout
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
@@ -153,7 +157,10 @@ def load_checkpoint(
     meta = read_meta(path) if meta is None else meta
     found = mismatches(path, meta["digests"], env.rank, env.world_size) if "digests" in meta else []
     check(path, meta, [m for part in all_gather_objects(found, group=env.group("world")) for m in part])
-    if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not allow_dp_change):
+    old_tp = (meta.get("parallel") or {}).get("tp", 1)
+    # a TP change in a world of the same size moves ranks between TP and DP: the same windows, dealt anew
+    tp_moved = old_tp != env.tp_size and meta["dp_size"] * old_tp == env.dp_size * env.tp_size
+    if meta["cp_size"] != env.cp_size or (meta["dp_size"] != env.dp_size and not (allow_dp_change or tp_moved)):
         raise ResumeError(
             f"{path} was written with data-parallel size {meta['dp_size']} and context-parallel size "
             f"{meta['cp_size']}; this run has {env.dp_size} and {env.cp_size}. Resuming would change the data "
@@ -161,9 +168,10 @@ def load_checkpoint(
             f"(context-parallel size must match)"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    safe_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole_model, whole_optim, swapped = to_whole_layout(model, model_sd, optim_sd, fill=False)
+    safe_load({"model": whole_model, "optim": whole_optim}, path)
+    from_whole_layout(model, swapped)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     restore_scheduler(scheduler, meta["scheduler"], path / META)
     rng_file = path / f"rng_rank{env.rank}.pt"
     if os.path.lexists(rng_file):

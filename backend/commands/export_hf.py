@@ -59,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = validate(
             load_config(
-                config, [*args.overrides, "parallel.context_parallel_size=1", "parallel.expert_parallel_size=1"]
+                config,
+                [
+                    *args.overrides,
+                    "parallel.context_parallel_size=1",
+                    "parallel.expert_parallel_size=1",
+                    "parallel.tensor_parallel_size=1",  # checkpoints hold whole tensors at any TP size
+                ],
             ),
             world_size=1,
         )

@@ -98,13 +98,13 @@ def plan_lines(cfg, dataset, dp: int) -> list[str]:
     from backend.data.sampler import WindowSampler
     from backend.distributed.parallel_dims import ParallelDims
 
-    cp = cfg.parallel.context_parallel_size
+    cp, tp = cfg.parallel.context_parallel_size, cfg.parallel.tensor_parallel_size
     window = WindowSampler(len(dataset), cfg.train.global_batch_size, cfg.train.seed).next_window()
-    edges = bucket_edges_for(cfg.train, dataset.lengths, cp_size=cp)
-    dims = ParallelDims(world_size=dp * cp, cp=cp)
+    dims = ParallelDims(world_size=dp * cp * tp, cp=cp, tp=tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    edges = bucket_edges_for(cfg.train, dataset.lengths, cp_size=cp, sp_size=dims.sp)
     plan = planner_from_config(cfg.train, dims, bucket_edges=edges)([int(n) for n in dataset.lengths[window]])
     lines = [
-        f"first window: {len(window)} samples, {plan.layout} layout, dp {dp}, cp {cp}, "
+        f"first window: {len(window)} samples, {plan.layout} layout, dp {dp}, cp {cp}, tp {tp}, "
         f"{len(plan.ranks[0])} microbatches per rank"
     ]
     for rank, microbatches in enumerate(plan.ranks):

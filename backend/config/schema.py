@@ -166,6 +166,15 @@ class ParallelConfig:
     # experts; everything else stays FSDP2 over the whole data x context parallel world. An EP group
     # may span CP ranks (tokens are tokens). Must divide the world size and model.num_moe_experts.
     expert_parallel_size: int = 1
+    # Tensor-parallel size: every attention and MLP layer, the embedding and the output layer split
+    # over this many consecutive ranks (megatron-core's column / row / vocabulary-parallel layers;
+    # keep a TP group inside a node). Must divide the heads, the KV heads and the FFN; FSDP2 then
+    # shards over the world / (cp x tp) ranks holding the same slice. 1 = off.
+    tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1: split the activations outside the TP regions (norms, residual
+    # stream) over the TP ranks too, so every row aligns to 2 x cp x tp tokens (tp at cp 1) and a
+    # microbatch is priced over cp x tp GPUs. false keeps them whole on every TP rank.
+    sequence_parallel: bool = True
     # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group.
     data_parallel_wrapper: str = "fsdp"
     # Process-group backend: "auto" is nccl on CUDA, gloo on CPU.

@@ -8,6 +8,7 @@ from backend.batching import smallest_budget
 from backend.distributed.parallel_dims import ParallelDims
 
 from .errors import ConfigError
+from .run_values import ffn_size
 from .schema import (
     ATTENTION_BACKENDS,
     BATCH_LAYOUTS,
@@ -70,6 +71,7 @@ _POSITIVE = (
     "model.rotary_base",
     "parallel.context_parallel_size",
     "parallel.expert_parallel_size",
+    "parallel.tensor_parallel_size",
     "data.max_seq_length",
     "train.global_batch_size",
     "train.micro_batch_size",
@@ -362,14 +364,16 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    errors += dims.errors(num_moe_experts=m.num_moe_experts)  # the one place the sizes are checked
+    errors += dims.errors(num_moe_experts=m.num_moe_experts, model=m)  # the one place the sizes are checked
+    if dims.tp > 1 and ffn_size(m) % dims.tp:
+        errors.append(f"parallel.tensor_parallel_size={dims.tp}: must divide the FFN size {ffn_size(m)}")
     cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(
             f"train.global_batch_size={t.global_batch_size}: must be divisible by train.micro_batch_size"
             f" * data-parallel size = {t.micro_batch_size} * {dp} (or set train.dynamic_batch_enable=true)"
         )
-    smallest = smallest_budget(t.dynamic_batch_pad_to_multiple, cp)
+    smallest = smallest_budget(t.dynamic_batch_pad_to_multiple, cp, dims.sp)
     errors += _auto_budget_errors(t, world_size)
     for key in ("train.max_tokens_per_gpu", "train.forward_max_tokens_per_gpu"):
         value = get(cfg, key)
@@ -379,8 +383,8 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
             errors.append("train.max_tokens_per_gpu: must be set (>= 1) when train.dynamic_batch_enable is true")
         elif value and value < smallest:
             errors.append(
-                f"{key}={value}: must hold at least one CP-aligned row: {smallest} tokens per GPU "
-                f"(a row padded to lcm(train.dynamic_batch_pad_to_multiple, 2*cp) over cp={cp})"
+                f"{key}={value}: must hold at least one aligned row: {smallest} tokens per GPU "
+                f"(a row padded to lcm(train.dynamic_batch_pad_to_multiple, 2*cp*sp) over cp={cp} x sp={dims.sp})"
             )
     if t.eval_interval and not (cfg.data.valid_path or cfg.data.valid_fraction):
         errors.append("train.eval_interval: set data.valid_path or data.valid_fraction to say what to evaluate")

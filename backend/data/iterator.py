@@ -17,14 +17,14 @@ from .collate import MicrobatchTensors, collate
 from .sampler import WindowSampler
 
 
-def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sample: int = 65536) -> list[int] | None:
+def bucket_edges_for(train_cfg, lengths, *, cp_size: int, sp_size: int = 1, sample: int = 65536) -> list[int] | None:
     """Bucket edges from the data set's lengths (a seeded sample of them) when max_shapes is set."""
     if not train_cfg.dynamic_batch_max_shapes:
         return None
     lengths = np.asarray(lengths)
     if len(lengths) > sample:
         lengths = lengths[np.random.default_rng(train_cfg.seed).choice(len(lengths), sample, replace=False)]
-    multiple = pad_multiple(train_cfg.dynamic_batch_pad_to_multiple, cp_size)
+    multiple = pad_multiple(train_cfg.dynamic_batch_pad_to_multiple, cp_size, sp_size)
     return choose_bucket_edges(lengths.tolist(), train_cfg.dynamic_batch_max_shapes, multiple)
 
 
@@ -34,10 +34,11 @@ def planner_from_config(train_cfg, dims, *, forward: bool = False, bucket_edges:
     priced with train.dynamic_batch_attention_weight, or with ``forward=True`` the forward-only planner: dynamic
     under train.forward_max_tokens_per_gpu (default: train.max_tokens_per_gpu). A forward budget of
     0 is an error, not a silent fixed plan. ``dims``: the world's ``ParallelDims`` (the planner
-    balances over its dp ranks and prices each sequence's cut over its cp ranks)."""
+    balances over its dp ranks and prices each sequence's cut over its cp x sp ranks)."""
     args = dict(
         dp_size=dims.dp,
         cp_size=dims.cp,
+        sp_size=dims.sp,
         pad_to_multiple=train_cfg.dynamic_batch_pad_to_multiple,
         overhead=train_cfg.dynamic_batch_overhead,
         layout=train_cfg.dynamic_batch_layout,

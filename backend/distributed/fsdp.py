@@ -66,7 +66,7 @@ def _own_output(_module, _args, output):
     return output
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, group, copies=None) -> float:
     """The global L2 norm of the gradients, scaling them to ``max_norm`` when above it.
 
     One mesh (every parameter sharded over the world): torch's ``clip_grad_norm_``, as always.
@@ -75,9 +75,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) 
     (``Shard`` placements only), so the squared norm is the sum over the world of each rank's local
     squares: one all-reduce of one number, then every gradient clipped by that total (torchtitan
     completes each mesh's norm on its own; one sum over the world is the same number in one call).
-    ``group``: the ranks whose shards make up every parameter (the world while tp = pp = 1)."""
+    ``group``: the ranks whose shards make up every parameter (the world).
+
+    Under tensor parallelism the FSDP2 mesh leaves TP out: ``copies[i]`` says on how many TP ranks
+    parameter i's shard lives as an identical copy (1 for a split parameter, whose TP slices are
+    disjoint; tp for a replicated one), and its square counts once: divided by its copies before
+    the one sum over the world."""
     grads = [p.grad for p in params if p.grad is not None]
-    if len({getattr(g, "device_mesh", None) for g in grads}) <= 1:
+    if copies is None and len({getattr(g, "device_mesh", None) for g in grads}) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     local = []
@@ -87,7 +92,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, group) 
         if any(p.is_replicate() or p.is_partial() for p in g.placements):
             raise RuntimeError(f"gradient with placements {g.placements}: only sharded (FSDP2) gradients are expected")
         local.append(g.to_local() if hasattr(g, "to_local") else g)
-    square = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in local]).sum()
+    squares = [torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in local]
+    if copies is not None:
+        squares = [sq / c for sq, c in zip(squares, [c for p, c in zip(params, copies) if p.grad is not None])]
+    square = torch.stack(squares).sum()
     total = float(dist_sum(square.reshape(1), group=group).sqrt())
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:

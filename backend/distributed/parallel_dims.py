@@ -2,14 +2,21 @@
 the meshes and process groups asked for by what they are for.
 
 Sizes: data parallel (dp, derived: world / (cp x tp x pp)), context parallel (cp), expert
-parallel (ep), tensor parallel (tp) and pipeline parallel (pp); tp and pp are 1 (their keys do
-not exist yet). The checks (``errors``) are the only ones: config validation calls them with the
+parallel (ep), tensor parallel (tp, with or without sequence parallelism) and pipeline parallel
+(pp; 1, its key does not exist yet). The checks (``errors``) are the only ones: config validation calls them with the
 launch's world size and the model's expert count, process-group set-up calls ``validate`` with the
 real world, so a launch that disagrees with its config fails with the same sentence either way.
 
 Rank layout, fastest-varying last (megatron-core's order): rank = ((pp_rank x dp + dp_rank) x cp
 + cp_rank) x tp + tp_rank. TP ranks are consecutive, so a TP group stays inside a node; CP ranks
-next (rank = dp_rank x cp + cp_rank while tp = pp = 1). Expert parallelism cuts the same world
+next (rank = dp_rank x cp + cp_rank while tp = pp = 1).
+
+How the meshes compose: the world is a (dp x cp, tp) grid, ``"fsdp"`` its first dimension (FSDP2
+shards every parameter, TP's local slices included, over the dp x cp ranks holding the same TP
+slice) and ``"tp"`` its second (megatron-core's tensor-parallel layers: column / row parallel
+linears, the vocabulary-parallel embedding and output layer). With sequence parallelism (``sp``)
+each CP rank's local row is cut tp ways between the TP regions, so rows align to 2 x cp x tp.
+Expert parallelism with tp > 1 is refused by name (not composed yet). Expert parallelism cuts the same world
 another way: EP groups are blocks of ep consecutive ranks (ep_rank = rank % ep), and the 2-D mesh
 (expert_dp, ep) = (world / ep, ep) holds in "expert_dp" the ranks that own the same experts (over
 which FSDP2 shards them, torchtitan's ``dp_shard_mod_ep``).
@@ -43,21 +50,34 @@ class ParallelDims:
     ep: int = 1
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: activations outside the TP regions split over tp
     # process groups and device meshes by purpose, filled by ``build`` (absent in pure uses)
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> ParallelDims:
         """The sizes ``parallel.*`` asks for in a world of ``world_size`` processes (not yet checked)."""
-        return cls(world_size=world_size, cp=parallel.context_parallel_size, ep=parallel.expert_parallel_size)
+        return cls(
+            world_size=world_size,
+            cp=parallel.context_parallel_size,
+            ep=parallel.expert_parallel_size,
+            tp=parallel.tensor_parallel_size,
+            sequence_parallel=parallel.sequence_parallel,
+        )
+
+    @property
+    def sp(self) -> int:
+        """The sequence-parallel split of a row: tp with sequence parallelism, else 1."""
+        return self.tp if self.sequence_parallel else 1
 
     @property
     def dp(self) -> int:
         return max(1, self.world_size // (self.cp * self.tp * self.pp))
 
-    def errors(self, *, num_moe_experts: int | None = None) -> list[str]:
+    def errors(self, *, num_moe_experts: int | None = None, model=None) -> list[str]:
         """Every way these sizes do not tile the world (and, given the model's experts per layer,
-        do not split them), each naming its key; [] when they do."""
+        do not split them; given ``model``, the ``model.*`` config, do not split its heads, KV
+        heads over TP; the FFN is checked by the config's validation, which knows its default size), each naming its key; [] when they do."""
         world, out = self.world_size, []
 
         def hint(size: int) -> str:
@@ -75,6 +95,37 @@ class ParallelDims:
                 )
         if world % self.ep:
             out.append(f"parallel.expert_parallel_size={self.ep}: must divide the world size {world}{hint(self.ep)}")
+        if world % (self.cp * self.tp) and not world % self.cp:
+            out.append(
+                f"parallel.tensor_parallel_size={self.tp}: context x tensor parallel size {self.cp * self.tp} must "
+                f"divide the world size {world}{hint(self.cp * self.tp)}"
+            )
+        if self.tp > 1:
+            out += self._tp_model_errors(num_moe_experts, model)
+        return out
+
+    def _tp_model_errors(self, num_moe_experts, model) -> list[str]:
+        """What TP splits must divide by it: query heads and KV heads (each TP rank keeps
+        heads / tp query heads and their query groups; KV heads are split, never replicated, so a
+        model with fewer KV heads than tp is refused), the FFN. Not composed yet, refused by name:
+        MoE (experts with TP), a critic's one-output value head, Liger's fused kernel."""
+        tp, out, key = self.tp, [], f"parallel.tensor_parallel_size={self.tp}"
+        if num_moe_experts:
+            out.append(f"{key}: MoE models (model.num_moe_experts={num_moe_experts}) run with tp 1 (use EP)")
+        if model is None:
+            return out
+        heads = model.num_attention_heads
+        groups = model.num_query_groups or heads
+        if heads % tp:
+            out.append(f"{key}: must divide model.num_attention_heads={heads} (each TP rank keeps heads / tp)")
+        if groups % tp:
+            out.append(
+                f"{key}: must divide model.num_query_groups={groups} (KV heads are split over TP, not replicated)"
+            )
+        if getattr(model, "head", "lm") == "value":
+            out.append(f"{key}: a critic's value head (model.head=value) has one output and runs with tp 1")
+        if getattr(model, "logits_fused_kernel", "none") != "none":
+            out.append(f"{key}: model.logits_fused_kernel={model.logits_fused_kernel} runs with tp 1 (set none)")
         return out
 
     def validate(self, **model) -> ParallelDims:
@@ -106,15 +157,18 @@ class ParallelDims:
         }
 
     # Runtime: the process groups and meshes (torch.distributed initialised).
-    def build(self, device_type: str, *, cp_group=None, batch_group=None) -> ParallelDims:
+    def build(self, device_type: str, *, cp_group=None, batch_group=None, tp_group=None) -> ParallelDims:
         """Make the meshes and record the groups by purpose (called once per world by
-        ``init_distributed``). ``cp_group`` / ``batch_group``: megatron-core's own context- and
-        data-parallel groups, which its layers use too (one group per purpose, never two)."""
+        ``init_distributed``). ``cp_group`` / ``batch_group`` / ``tp_group``: megatron-core's own
+        context-, data- and tensor-parallel groups, which its layers use too (one group per purpose)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.validate()
-        fsdp = init_device_mesh(device_type, (self.dp * self.cp,), mesh_dim_names=("fsdp",))
+        if self.tp > 1:  # the (dp x cp, tp) grid: FSDP2 over the ranks holding the same TP slice
+            fsdp = init_device_mesh(device_type, (self.dp * self.cp, self.tp), mesh_dim_names=("fsdp", "tp"))["fsdp"]
+        else:
+            fsdp = init_device_mesh(device_type, (self.dp * self.cp,), mesh_dim_names=("fsdp",))
         built = {
             "world": dist.group.WORLD,
             "fsdp": fsdp,
@@ -122,7 +176,7 @@ class ParallelDims:
             "batch": batch_group,
             "cp": cp_group if self.cp > 1 else None,
             "ep": None,
-            "tp": None,
+            "tp": tp_group if self.tp > 1 else None,
         }
         if self.ep > 1:
             expert = init_device_mesh(

@@ -54,6 +54,19 @@ class ParallelEnv:
         return self.rank % self.dims.ep
 
     @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.dims.tp
+
+    @property
+    def sp_size(self) -> int:
+        """The sequence-parallel split of a row (tp with sequence parallelism, else 1)."""
+        return self.dims.sp
+
+    @property
     def cp_group(self):
         """The context-parallel group (None at cp 1)."""
         return self.dims.group("cp")
@@ -79,7 +92,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600.0, *, ep_size: int = 1) -> ParallelEnv:
+def init_distributed(
+    cp_size: int,
+    backend: str = "auto",
+    timeout_s: float = 600.0,
+    *,
+    ep_size: int = 1,
+    tp_size: int = 1,
+    sequence_parallel: bool = True,
+) -> ParallelEnv:
     """Join (or, run without torchrun, form a one-process) world and build the parallel groups."""
     if "RANK" not in os.environ:  # a plain `python -m backend.train`: a world of one on loopback
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -94,7 +115,9 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    dims = ParallelDims(world_size=dist.get_world_size(), cp=cp_size, ep=ep_size).validate()
+    dims = ParallelDims(
+        world_size=dist.get_world_size(), cp=cp_size, ep=ep_size, tp=tp_size, sequence_parallel=sequence_parallel
+    ).validate()
     ps = import_megatron_module("megatron.core.parallel_state")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -102,12 +125,18 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
         )
     rank = dist.get_rank()
     where = dims.coords(rank)
-    if (where["dp"], where["cp"]) != (ps.get_data_parallel_rank(), ps.get_context_parallel_rank()):
+    theirs = (ps.get_data_parallel_rank(), ps.get_context_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    if (where["dp"], where["cp"], where["tp"]) != theirs:
         raise RuntimeError(
-            f"unexpected rank layout: rank {rank} is dp {ps.get_data_parallel_rank()}, cp "
-            f"{ps.get_context_parallel_rank()} in megatron-core's groups but {where} in ParallelDims"
+            f"unexpected rank layout: rank {rank} is (dp, cp, tp) {theirs} in megatron-core's groups but {where} "
+            "in ParallelDims"
         )
-    dims.build(device.type, cp_group=ps.get_context_parallel_group(), batch_group=ps.get_data_parallel_group())
+    dims.build(
+        device.type,
+        cp_group=ps.get_context_parallel_group(),
+        batch_group=ps.get_data_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+    )
     return ParallelEnv(
         rank=rank,
         world_size=dims.world_size,
@@ -124,7 +153,13 @@ def init_distributed(cp_size: int, backend: str = "auto", timeout_s: float = 600
 def init_from_config(cfg) -> ParallelEnv:
     """``init_distributed`` with the config's parallel sizes and backend."""
     p = cfg.parallel
-    return init_distributed(p.context_parallel_size, p.backend, ep_size=p.expert_parallel_size)
+    return init_distributed(
+        p.context_parallel_size,
+        p.backend,
+        ep_size=p.expert_parallel_size,
+        tp_size=p.tensor_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+    )
 
 
 def shutdown_distributed() -> None:
@@ -142,6 +177,7 @@ def describe_world(env: ParallelEnv) -> list[dict]:
         "local_rank": env.local_rank,
         "dp_rank": env.dp_rank,
         "cp_rank": env.cp_rank,
+        "tp_rank": env.tp_rank,
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
         "slurm_node_id": os.environ.get("SLURM_NODEID"),
@@ -165,3 +201,15 @@ def check_world_matches_allocation(world: list[dict]) -> None:
             f"this world has {len(world)} ranks on {len(nodes)} Slurm node(s), but the allocation has {expected}: "
             f"every node must join one rendezvous (launch with tools/slurm/train.sbatch)"
         )
+
+
+def tp_groups_across_nodes(world: list[dict], tp: int) -> list[list[int]]:
+    """The TP groups (ranks) whose members sit on more than one node (Slurm node, else host): every
+    layer's forward and backward then crosses the network several times, where TP groups inside a
+    node use its fast links. Ranks are launched node by node, so tp must divide the ranks per node."""
+    spread = []
+    for start in range(0, len(world), tp):
+        group = world[start : start + tp]
+        if len({(w["slurm_node_id"], w["hostname"]) for w in group}) > 1:
+            spread.append([w["rank"] for w in group])
+    return spread

@@ -275,7 +275,8 @@ def format_startup_summary(info: dict) -> str:
     ``max_seq_length``, ``global_batch_size``, ``train_iters``, ``start_step`` (resumed from),
     ``batching`` (a dict: ``dynamic`` bool, ``max_tokens_per_gpu``, ``micro_batch_size``),
     ``schedule`` (text), ``run_dir``, ``validation`` (text), ``loss`` (text), ``ignored_fields``
-    (text: row fields nothing reads), ``experts`` (text: where an MoE model's experts live).
+    (text: row fields nothing reads), ``experts`` (text: where an MoE model's experts live),
+    ``tensor_parallel`` (text: the TP groups and sequence parallelism).
     """
     rows: list[tuple[str, str]] = []
     model = info.get("model")
@@ -300,6 +301,8 @@ def format_startup_summary(info: dict) -> str:
     rows.append(("parallel", ", ".join(parallel)))
     if info.get("experts"):
         rows.append(("experts", info["experts"]))
+    if info.get("tensor_parallel"):
+        rows.append(("tensor parallel", info["tensor_parallel"]))
     attention = info.get("attention_backend")
     if info.get("recompute") not in (None, "none"):
         attention = f"{attention}, recompute {info['recompute']}"

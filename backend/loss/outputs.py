@@ -15,11 +15,12 @@ from backend.distributed.collectives import dist_sum
 from backend.model.forward import token_logprobs, token_loss_sum, token_losses, token_values
 
 
-def placeholder_microbatch(cp_size: int) -> MicrobatchTensors:
-    """A one-row, 2*cp-token stand-in for an empty microbatch: it runs the same forward, backward
-    and collectives as its peers, with zero loss weight, so it adds exactly zero gradient."""
-    length = 2 * cp_size
-    zeros = torch.zeros(1, 2, dtype=torch.int64)  # this rank's share of a 2*cp-token row
+def placeholder_microbatch(cp_size: int, sp_size: int = 1) -> MicrobatchTensors:
+    """A one-row, 2*cp*sp-token stand-in for an empty microbatch: it runs the same forward, backward
+    and collectives as its peers, with zero loss weight, so it adds exactly zero gradient. Its
+    share on a CP rank, 2 x sp tokens, splits over the sequence-parallel ranks."""
+    length = 2 * cp_size * sp_size
+    zeros = torch.zeros(1, 2 * sp_size, dtype=torch.int64)  # this rank's share of the row
     return MicrobatchTensors(
         tokens=zeros,
         labels=zeros.clone(),

@@ -31,8 +31,15 @@ PORTABLE_FUSIONS_OFF = dict(
 )
 
 
-def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, seed: int):
+def build_gpt(
+    model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, seed: int, tp: int = 1, sequence_parallel=False
+):
     """A GPTModel in FP32 (the wrapper moves and casts it). Same seed -> same weights.
+
+    ``tp`` > 1 (megatron-core's parallel state holds a TP group of that size): every linear layer,
+    the embedding and the output layer are megatron-core's tensor-parallel layers holding this
+    rank's slice. Their CPU initialisation draws each whole weight from the seed and keeps the
+    slice, so a TP 2 model holds exactly the halves of the TP 1 model of the same seed.
 
     Built on the CPU, or on the meta device when called under ``with torch.device("meta")``
     (storage-free: a Hugging Face import fills the shards afterwards, so a 4B model is never
@@ -69,6 +76,11 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         kwargs["softmax_type"] = "learnable"
     if model_cfg.sliding_window:
         kwargs |= dict(window_size=(model_cfg.sliding_window - 1, 0), window_attn_skip_freq=layer_flags(model_cfg))
+    if tp > 1:
+        from .tp_compat import apply_tp_compat
+
+        apply_tp_compat()
+        kwargs |= dict(tensor_model_parallel_size=tp, sequence_parallel=bool(sequence_parallel))
     if "cuda_graph_scope" in te_cfg.TransformerConfig.__dataclass_fields__:
         # Its default "full" is deprecated and warns on every build; [] is the same (no graphs here).
         kwargs["cuda_graph_scope"] = []
@@ -96,6 +108,14 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
         qk_layernorm=model_cfg.qk_layernorm,
         normalization="RMSNorm",
     )
+    if tp > 1:  # norms that run beside sequence parallelism (megatron-core's torch norm refuses it)
+        from .tensor_parallel import torch_norm_class
+
+        norm = torch_norm_class()
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+        if model_cfg.qk_layernorm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = norm
     max_positions = model_cfg.max_position_embeddings or max_seq_length
     rope = Rope.from_config(model_cfg, head_dim=config.kv_channels, max_position_embeddings=max_positions)
     spec.submodules.self_attention.submodules.core_attention = core_attention_spec(backend, rope)
@@ -106,6 +126,9 @@ def build_gpt(model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, 
     cpu_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        if tp > 1:  # the block's final norm too
+            block = import_megatron_module("megatron.core.transformer.transformer_block")
+            spec = block.TransformerBlockSubmodules(layer_specs=[spec] * model_cfg.num_layers, layer_norm=norm)
         model = gpt.GPTModel(
             config=config,
             transformer_layer_spec=spec,

@@ -34,6 +34,7 @@ from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
 from .recompute import apply_recompute
+from .tensor_parallel import record_layout
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,18 @@ class BuiltModel:
     fields: dict  # the architecture as backend.config.hf.FIELDS (what HF export writes)
 
 
-def _meta_model(cfg, vocab: int, backend: str) -> torch.nn.Module:
+def _meta_model(cfg, vocab: int, backend: str, env=None) -> torch.nn.Module:
     with torch.device("meta"):
-        return build_gpt(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=0)
+        return build_gpt(
+            cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=0, **_tp(env)
+        )
+
+
+def _tp(env) -> dict:
+    """build_gpt's tensor-parallel arguments for this world (none outside one)."""
+    if env is None or env.tp_size == 1:
+        return {}
+    return dict(tp=env.tp_size, sequence_parallel=env.dims.sequence_parallel)
 
 
 def meta_model(cfg, *, tokenizer_vocab: int) -> torch.nn.Module:
@@ -130,14 +140,20 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         sinks_or_windows=m.attention_sinks or m.sliding_window,
     )
     vocab = padded_vocab(cfg.model, tokenizer_vocab)
+    if vocab % env.tp_size:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={env.tp_size}: must divide the vocabulary's {vocab} rows (each TP rank "
+            "holds an equal slice; set model.vocab_size to a multiple, or import a checkpoint whose vocabulary is one)"
+        )
     fields = model_fields(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length)
     bf16 = use_bf16(cfg.train.precision, env.device)
     hf_dir = cfg.model.hf_checkpoint
     if hf_dir or empty:
-        model = _meta_model(cfg, vocab, backend)
+        model = _meta_model(cfg, vocab, backend, env)
         _check_no_buffers(model)
         num_parameters = sum(p.numel() for p in model.parameters())
         apply_recompute(model, m.recompute_granularity)
+        record_layout(model, env.group("tp"))
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         model.to_empty(device=env.device)
         if empty:
@@ -155,10 +171,16 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             source = f"weights from {hf_dir}"
     else:
         model = build_gpt(
-            cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=cfg.train.seed
+            cfg.model,
+            vocab_size=vocab,
+            max_seq_length=cfg.data.max_seq_length,
+            backend=backend,
+            seed=cfg.train.seed,
+            **_tp(env),
         )
         num_parameters = sum(p.numel() for p in model.parameters())
         apply_recompute(model, m.recompute_granularity)
+        record_layout(model, env.group("tp"))
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         source = f"initialised from train.seed={cfg.train.seed}"
     _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)

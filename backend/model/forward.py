@@ -18,6 +18,7 @@ import torch
 from . import moe_stats
 from .attention import AttentionContext
 from .output import OutputRequest, output_request
+from .vocab_parallel import vocab_parallel_logprobs
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ def set_output_settings(model: torch.nn.Module, settings: OutputSettings) -> Non
 def output_settings(model) -> OutputSettings:
     """The settings the factory gave ``model`` (defaults for a model built elsewhere)."""
     return getattr(model, "output_settings", None) or OutputSettings()
+
+
+def tp_group_of(model):
+    """The output layer's tensor-parallel group when the vocabulary is split over more than one
+    rank (megatron-core's layers hold it), else None."""
+    group = getattr(getattr(model, "output_layer", None), "tp_group", None)
+    return group if group is not None and group.size() > 1 else None
 
 
 def _forward(model, tokens, labels, positions, valid, *, cp_group, route_rows, segments):
@@ -119,7 +127,8 @@ def token_values(model, tokens, positions, valid, *, cp_group=None, route_rows=N
 
 
 def token_logits(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:
-    """The model's logits [b, s, V] (in the compute dtype) for one microbatch."""
+    """The model's logits [b, s, V] (in the compute dtype) for one microbatch; under tensor
+    parallelism this rank's slice [b, s, V / tp] (``vocab_parallel``)."""
     return _forward(model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
 
 
@@ -161,6 +170,9 @@ def token_logprobs(
             )
         return out[..., 0], (out[..., 1] if entropy else None)
     logits = token_logits(model, tokens, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
+    tp = tp_group_of(model)
+    if tp is not None:  # this rank's slice of the vocabulary: nothing gathered (vocab_parallel)
+        return vocab_parallel_logprobs(logits, labels, tp, vocab_limit=limit, temperature=temperature, entropy=entropy)
     logits = logits.float()
     if limit:
         logits = logits[..., :limit]

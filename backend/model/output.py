@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.distributed.collectives import dist_sum
+from backend.megatron_compat import import_megatron_module
+
+from .vocab_parallel import global_max, label_slots, local_limit, slice_of
+
 
 @dataclass
 class OutputRequest:
@@ -92,7 +97,7 @@ def _logp_chunk(h, w, lse, temperature, out=None):
     return _chunk_logits(h, w, temperature).sub_(lse[:, None])
 
 
-def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, scratch=None):
+def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, scratch=None, owned=None):
     """Add one chunk's gradients to ``grad_h`` (its rows) and ``grad_w`` (a [V', H] view in the
     wide dtype), consuming ``logp`` (and ``scratch``, a buffer of its shape, when given).
 
@@ -101,9 +106,13 @@ def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, 
     [chunk, H] or [V, H] tensors: dL/dh = (g (W[y] - p W) + E W) / T, dL/dW = (onehot - p)^T (g h)
     / T + E^T h / T, E = -g_H p (log p + H). In BF16 / FP16 compute dL/dz is built whole in FP32
     first and rounded once: rounding p before onehot - p would turn a confident token's 1 - p_y
-    into 0 (BF16 steps are 2^-8 near 1) and bias every gradient."""
+    into 0 (BF16 steps are 2^-8 near 1) and bias every gradient.
+
+    ``owned`` (a vocabulary slice under tensor parallelism): whether this slice holds each label;
+    ``y`` is then the label's local row and the one-hot term counts only where it is held."""
     wide = grad_w.dtype if grad_w is not None else _wide(h.dtype)
     g = g[:, None].to(logp.dtype) / temperature
+    g_pick = g if owned is None else g * owned[:, None]
     extra = None
     if g_ent is not None:
         p = torch.exp(logp, out=scratch) if scratch is not None else logp.exp()
@@ -119,7 +128,7 @@ def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, 
         if extra is not None:
             dz += extra
             del extra
-        dz.scatter_add_(1, y[:, None], g)
+        dz.scatter_add_(1, y[:, None], g_pick)
         dz16 = dz.to(h.dtype)
         del dz, p
         if grad_h is not None:
@@ -129,12 +138,12 @@ def _chunk_grads(h, w, y, logp, g, g_ent, entropy, temperature, grad_h, grad_w, 
         return
     gh = g * h
     if grad_h is not None:
-        grad_h += g * (w[y] - p @ w)
+        grad_h += g * (w[y] - p @ w) if owned is None else g_pick * w[y] - g * (p @ w)
         if extra is not None:
             grad_h += extra @ w
     if grad_w is not None:
         grad_w.addmm_(p.t().to(wide), gh.to(wide), alpha=-1.0)
-        grad_w.index_add_(0, y, gh.to(wide))
+        grad_w.index_add_(0, y, (gh if owned is None else g_pick * h).to(wide))
         if extra is not None:
             grad_w.addmm_(extra.t().to(wide), h.to(wide))
 
@@ -143,7 +152,7 @@ def _weight_grad(weight: torch.Tensor, limit: int | None) -> tuple[torch.Tensor,
     """(the full [V, H] gradient in the wide dtype, its view over the first ``limit`` rows): the
     padding rows stay 0, with no second buffer to copy into."""
     full = torch.zeros(weight.shape, dtype=_wide(weight.dtype), device=weight.device)
-    return full, (full[:limit] if limit else full)
+    return full, (full[:limit] if limit is not None else full)
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -160,9 +169,15 @@ class ChunkedLogprobs(torch.autograd.Function):
     hint, and recomputes otherwise (never a wrong gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, temperature, vocab_limit, want_entropy, grad_hint):
+    def forward(ctx, hidden, weight, labels, chunk, temperature, vocab_limit, want_entropy, grad_hint, tp=None):
         chunk = effective_chunk(chunk, hidden.device)
-        w = weight[:vocab_limit] if vocab_limit else weight
+        owned = None
+        if tp is not None:  # this rank's slice of the vocabulary (vocab_parallel): labels as local rows
+            start, rows = slice_of(tp, weight.shape[0])
+            vocab_limit = local_limit(vocab_limit, start, rows)
+            rows = rows if vocab_limit is None else vocab_limit
+            labels, owned = label_slots(labels, start, rows)
+        w = weight[:vocab_limit] if vocab_limit is not None else weight
         n = hidden.shape[0]
         wide = _wide(hidden.dtype)
         lp = torch.empty(n, dtype=wide, device=hidden.device)
@@ -176,30 +191,38 @@ class ChunkedLogprobs(torch.autograd.Function):
             e = min(n, s + chunk)
             y = labels[s:e, None]
             z = _chunk_logits(hidden[s:e], w, temperature, out=bufs.get(0, e - s))
-            lp_out = bufs.get(1, e - s)
-            # one fused pass (faster on CPU than logsumexp)
-            logp = (
-                torch.log_softmax(z, dim=-1)
-                if lp_out is None
-                else torch.ops.aten._log_softmax.out(z, 1, False, out=lp_out)
-            )
-            lp[s:e] = logp.gather(1, y)[:, 0]
-            lse[s:e] = z.gather(1, y)[:, 0] - lp[s:e]
+            if tp is not None:
+                logp = _slice_logp(z, y[:, 0], owned[s:e], tp, lp[s:e], lse[s:e], bufs.get(1, e - s))
+            else:
+                lp_out = bufs.get(1, e - s)
+                # one fused pass (faster on CPU than logsumexp)
+                logp = (
+                    torch.log_softmax(z, dim=-1)
+                    if lp_out is None
+                    else torch.ops.aten._log_softmax.out(z, 1, False, out=lp_out)
+                )
+                lp[s:e] = logp.gather(1, y)[:, 0]
+                lse[s:e] = z.gather(1, y)[:, 0] - lp[s:e]
             del z
             if want_entropy:  # H = -sum p log p, a row-wise dot product (p into the logits' buffer)
                 scratch = bufs.get(0, e - s)
                 p = torch.exp(logp, out=scratch) if scratch is not None else logp.exp()
-                ent[s:e] = -torch.linalg.vecdot(p, logp)
+                h_part = -torch.linalg.vecdot(p, logp)
+                ent[s:e] = h_part if tp is None else dist_sum(h_part, tp)
                 del p
             if fused:
                 rows = grad_h[s:e] if grad_h is not None else None
-                _chunk_grads(hidden[s:e], w, labels[s:e], logp, grad_hint[s:e], None, None, temperature, rows, grad_w)
+                part = None if owned is None else owned[s:e]
+                _chunk_grads(
+                    hidden[s:e], w, labels[s:e], logp, grad_hint[s:e], None, None, temperature, rows, grad_w, owned=part
+                )
             del logp
         del bufs
         ctx.fused = (grad_hint, grad_h, grad_w_full) if fused else None
         ctx.set_materialize_grads(False)  # an unused (or detached) entropy sends None, not zeros to add
         ctx.save_for_backward(hidden, weight, labels, lse, ent if want_entropy else lse)
         ctx.chunk, ctx.temperature, ctx.vocab_limit, ctx.want_entropy = chunk, temperature, vocab_limit, want_entropy
+        ctx.owned = owned
         if ent is None:
             return lp, torch.zeros(0, device=hidden.device)
         return lp, ent
@@ -207,8 +230,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
-        chunk, temperature, limit = ctx.chunk, ctx.temperature, ctx.vocab_limit
-        w = weight[:limit] if limit else weight
+        chunk, temperature, limit, owned = ctx.chunk, ctx.temperature, ctx.vocab_limit, ctx.owned
+        w = weight[:limit] if limit is not None else weight
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = grad_w = None
@@ -246,17 +269,38 @@ class ChunkedLogprobs(torch.autograd.Function):
                     grad_h[s:e] if grad_h is not None else None,
                     grad_w_rows,
                     scratch=bufs.get(1, e - s),
+                    owned=None if owned is None else owned[s:e],
                 )
             del bufs
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)  # padding rows: no gradient
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def chunked_logprobs(hidden, weight, labels, *, chunk, temperature=1.0, vocab_limit=None, entropy="", grad_hint=None):
+def _slice_logp(z, y, owned, tp, lp_out, lse_out, scratch):
+    """log p of a chunk over a vocabulary split across ``tp`` (``vocab_parallel``), in place in
+    ``scratch`` (or a new tensor) from the logits ``z`` [c, rows], whose buffer it reuses; writes log p(label) and the logsumexp into ``lp_out`` / ``lse_out``. Three
+    [c] all-reduces: the maximum, the normaliser, the label's log p from the slice holding it."""
+    m = global_max(z, tp)
+    logp = torch.sub(z, m[:, None], out=scratch) if scratch is not None else z - m[:, None]
+    norm = dist_sum(torch.exp(logp, out=z).sum(1), tp).log_()  # z's buffer is free for the exponentials
+    logp.sub_(norm[:, None])
+    picked = logp.gather(1, y[:, None])[:, 0] if logp.shape[1] else torch.zeros_like(norm)
+    lp_out.copy_(dist_sum(torch.where(owned, picked, torch.zeros_like(picked)), tp))
+    lse_out.copy_(m + norm)
+    return logp
+
+
+def chunked_logprobs(
+    hidden, weight, labels, *, chunk, temperature=1.0, vocab_limit=None, entropy="", grad_hint=None, tp=None
+):
     """(log p [N], entropy [N] or None) of ``hidden`` [N, H]; ``entropy`` as ``OutputRequest``;
-    ``grad_hint``: the gradient log p will receive, when known (see ``ChunkedLogprobs``)."""
-    lp, ent = ChunkedLogprobs.apply(hidden, weight, labels, chunk, temperature, vocab_limit, bool(entropy), grad_hint)
+    ``grad_hint``: the gradient log p will receive, when known (see ``ChunkedLogprobs``); ``tp``:
+    the tensor-parallel group when ``weight`` is this rank's slice of the vocabulary (the caller
+    has gathered ``hidden`` and sums its gradient over the group)."""
+    lp, ent = ChunkedLogprobs.apply(
+        hidden, weight, labels, chunk, temperature, vocab_limit, bool(entropy), grad_hint, tp
+    )
     if not entropy:
         return lp, None
     return lp, (ent if entropy == "grad" else ent.detach())
@@ -270,6 +314,13 @@ def _chunked_forward(self, input_, weight=None, runtime_gather_output=None, **kw
     w = weight if weight is not None else self.weight
     if request.fused == "liger":
         return liger_loss_sum(input_, w, request), None
+    tp = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
+    if tp is not None:  # the whole sequence on every TP rank; the hidden states' gradient summed over TP
+        mappings = import_megatron_module("megatron.core.tensor_parallel.mappings")
+        if self.sequence_parallel:
+            input_ = mappings.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=tp)
+        else:
+            input_ = mappings.copy_to_tensor_model_parallel_region(input_, group=tp)
     s, b, hidden_size = input_.shape
     labels = request.labels.t().reshape(-1)  # [b, s] -> the hidden states' [s, b] order
     hint = None if request.grad_hint is None else request.grad_hint.t().reshape(-1).to(torch.float32)
@@ -282,6 +333,7 @@ def _chunked_forward(self, input_, weight=None, runtime_gather_output=None, **kw
         vocab_limit=request.vocab_limit,
         entropy=request.entropy,
         grad_hint=hint,
+        tp=tp,
     )
     ent = ent if ent is not None else torch.zeros_like(lp)
     return torch.stack([lp, ent], dim=-1).reshape(s, b, 2), None

@@ -20,6 +20,7 @@ import torch
 
 from backend.checkpoint.hf_export import full_named_tensors
 from backend.model.hf.export import DTYPES, hf_tensors
+from backend.model.tensor_parallel import whole_shape
 
 
 def export_dtype(dtype, model: torch.nn.Module) -> torch.dtype:
@@ -33,8 +34,8 @@ def export_dtype(dtype, model: torch.nn.Module) -> torch.dtype:
 
 def _meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in model.state_dict().items():
-        if isinstance(t, torch.Tensor):  # a DTensor's shape is the global one
-            t = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+        if isinstance(t, torch.Tensor):  # a DTensor's shape is the global one (of a TP slice: whole_shape)
+            t = torch.empty(whole_shape(model, name, t.shape), dtype=t.dtype, device="meta")
         yield name, t  # _extra_state entries (None) are dropped by hf_tensors
 
 

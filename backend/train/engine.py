@@ -32,7 +32,7 @@ from backend.data.errors import DataError
 from backend.data.iterator import StepData, planner_from_config
 from backend.data.tokenizers import build_tokenizer
 from backend.distributed.collectives import dist_max
-from backend.distributed.setup import check_world_matches_allocation, describe_world
+from backend.distributed.setup import check_world_matches_allocation, describe_world, tp_groups_across_nodes
 from backend.logging.console import format_end_summary, format_startup_summary
 from backend.logging.metrics import MetricsLogger, plan_metrics
 from backend.loss.registry import build_loss
@@ -61,6 +61,25 @@ def describe_experts(num_experts: int, env) -> str | None:
         f"{num_experts} a layer, EP {env.ep_size}: {num_experts // env.ep_size} on each rank (EP groups: ranks "
         f"{', '.join(groups)}), tokens sent to them by all-to-all; each rank's experts FSDP2-sharded over "
         f"{env.world_size // env.ep_size} rank(s)"
+    )
+
+
+def describe_tensor_parallel(env) -> str | None:
+    """The start-up summary's TP line (None at tp 1): the groups and what sequence parallelism does."""
+    tp = env.tp_size
+    if tp == 1:
+        return None
+    groups = ", ".join(f"{g}-{g + tp - 1}" for g in range(0, min(env.world_size, 4 * tp), tp))
+    more = ", ..." if env.world_size > 4 * tp else ""
+    sp = (
+        f"sequence parallel: rows aligned to {2 * env.cp_size * tp if env.cp_size > 1 else tp} tokens and split "
+        f"{tp} ways between the TP regions"
+        if env.sp_size > 1
+        else "activations whole on every TP rank (parallel.sequence_parallel=false)"
+    )
+    return (
+        f"TP {tp} (groups: ranks {groups}{more}): each rank holds 1/{tp} of every layer, the vocabulary split too; "
+        f"{sp}; FSDP2 over the {env.world_size // tp} rank(s) holding the same slice"
     )
 
 
@@ -94,6 +113,15 @@ class Engine:
         self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
         world = describe_world(env)
         check_world_matches_allocation(world)
+        spread = tp_groups_across_nodes(world, env.tp_size) if env.tp_size > 1 else []
+        if spread and env.is_main:
+            log.warning(
+                "parallel.tensor_parallel_size=%d: TP group(s) %s span more than one node (every layer's "
+                "collectives cross the network); launch a multiple of %d ranks per node",
+                env.tp_size,
+                spread[:4],
+                env.tp_size,
+            )
         self.world = world
         if env.is_main:
             log.info(
@@ -235,7 +263,7 @@ class Engine:
         rank's measured / predicted ratio."""
         if self.memory is None:
             return {}
-        cp = self.env.cp_size
+        cp = self.env.cp_size * self.env.sp_size  # the area is priced per GPU after both cuts
         predicted = max(
             (self.memory.fit.predict(mb.cost, mb.area / cp) for mb in data.plan.microbatches(self.env.dp_rank)),
             default=self.memory.fit.a,
@@ -294,6 +322,7 @@ class Engine:
             "world_size": env.world_size,
             "parallel": env.dims.sizes(),
             "experts": describe_experts(cfg.model.num_moe_experts, env),
+            "tensor_parallel": describe_tensor_parallel(env),
             "device": env.device.type,
             "precision": cfg.train.precision,
             "attention_backend": self.backend,

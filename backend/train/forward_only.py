@@ -63,7 +63,7 @@ def per_token_outputs(samples: list[Sample], env, planner, evaluate) -> list[np.
     mine: dict[int, np.ndarray] = {}
     for mb in plan.microbatches(env.dp_rank):
         if mb.is_empty:  # keep FSDP's per-forward collectives in step with the other ranks
-            evaluate(placeholder_microbatch(env.cp_size).to(env.device))
+            evaluate(placeholder_microbatch(env.cp_size, env.sp_size).to(env.device))
             continue
         batch = collate(
             [samples[i] for i in mb.indices], list(mb.indices), mb, cp_rank=env.cp_rank, cp_size=env.cp_size
@@ -96,7 +96,7 @@ def fill_logprobs(model, microbatches: list, env, field: str, *, temperature: fl
     device. Empty microbatches run a placeholder forward, so FSDP's collectives stay in step."""
     with forward_only(model):
         for mb in microbatches:
-            batch = (placeholder_microbatch(env.cp_size) if mb.is_empty else mb).to(env.device)
+            batch = (placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb).to(env.device)
             logp, _ = microbatch_logprobs(
                 model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
             )
@@ -112,7 +112,7 @@ def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[floa
         batches = collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size)
         for mb in batches:
             local += microbatch_loss_sum(
-                model, placeholder_microbatch(env.cp_size) if mb.is_empty else mb, env
+                model, placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb, env
             ).double()
         tokens = int(dataset.loss_token_counts[ids].sum())
         return float(dist_sum(local, env.group("loss")) / window_normaliser(tokens)), tokens

@@ -104,10 +104,11 @@ def _limit_bytes(cfg, meter: MemoryMeter) -> int:
     return capacity
 
 
-def _one_microbatch(lengths: list[int], cfg, cp: int):
+def _one_microbatch(lengths: list[int], cfg, cp: int, sp: int = 1):
     args = PlanArgs(
         dp_size=1,
         cp_size=cp,
+        sp_size=sp,
         max_tokens_per_gpu=2 * len(lengths) * max(lengths),  # everything in one microbatch, padded or packed
         pad_to_multiple=cfg.train.dynamic_batch_pad_to_multiple,
         layout=cfg.train.dynamic_batch_layout,
@@ -130,10 +131,10 @@ def _probe_data(lengths: list[int], cfg, env, rng, lead: list[int] | None = None
     lead = list(lead or [])
     samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in [*lengths, *lead]]
     dataset = InMemoryDataset(samples, source="memory probe")  # any vocabulary: ids below 256
-    one_rank = _one_microbatch(lengths, cfg, cp)
+    one_rank = _one_microbatch(lengths, cfg, cp, env.sp_size)
     rank = one_rank.ranks[0]
     if lead:
-        first = _one_microbatch(lead, cfg, cp).ranks[0][0]
+        first = _one_microbatch(lead, cfg, cp, env.sp_size).ranks[0][0]
         indices = tuple(len(lengths) + i for i in first.indices)
         rank = (dataclasses.replace(first, indices=indices), *rank)
     plan = dataclasses.replace(one_rank, ranks=(rank,) * env.dp_size)
@@ -151,7 +152,7 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
     what a real step starts with; each probe then runs as a step's second microbatch, after a
     64-token one (see ``_probe_data``), the worst place in a step for memory. On CUDA the cache is
     emptied before each probe, so a probe's reserved peak is its own, not the previous, larger one's."""
-    cp = env.cp_size
+    cut = env.cp_size * env.sp_size  # the GPUs a row is split over (CP, then sequence parallelism)
     rng = np.random.default_rng(0)
     points, floor, ratio = [], 0.0, 1.0
     saved_lr = [g["lr"] for g in optimizer.param_groups]
@@ -176,7 +177,7 @@ def run_probes(model, optimizer, cfg, env, meter: MemoryMeter, shapes: list[list
                 forward_backward(model, data, env, loss_cfg=cfg.loss)
             if meter.peak_bytes and meter.reserved_bytes:
                 ratio = max(ratio, meter.reserved_bytes / meter.peak_bytes)
-            points.append((float(mb.cost), float(mb.area) / cp, float(meter.peak_bytes)))
+            points.append((float(mb.cost), float(mb.area) / cut, float(meter.peak_bytes)))
             with meter.step():
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -229,7 +230,7 @@ def probe_memory(model, optimizer, cfg, env, *, backend: str, meter: MemoryMeter
         -dist_max(-_limit_bytes(cfg, meter), env.device, group=env.group("world"))
     )  # the smallest rank's: one decision everywhere
     margin = cfg.train.memory_margin
-    cp = env.cp_size
+    cp = env.cp_size * env.sp_size  # a row's tokens per GPU after the CP and sequence-parallel cuts
     window_tokens = cfg.train.global_batch_size * cfg.data.max_seq_length // cp  # no microbatch holds more
     budget = resolve_budget(fit, limit, margin, cfg.data.max_seq_length, cp, ceiling=window_tokens)
     return ProbeResult(

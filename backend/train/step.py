@@ -31,6 +31,7 @@ from backend.errors import UserError
 from backend.loss.outputs import placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
 from backend.model import moe_stats
+from backend.model.tensor_parallel import sum_partial_grads, tp_layout
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -78,11 +79,12 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
     for j, mb in enumerate(data.microbatches):
         set_grad_sync(model, j == count - 1)
         with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
-            total = microbatch_objective(placeholder_microbatch(env.cp_size) if mb.is_empty else mb)
+            total = microbatch_objective(placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb)
             aux = moe_stats.take_microbatch_aux(model)
             if aux is not None:
                 total = total + aux / samples
             total.backward()
+    sum_partial_grads(model)  # tensor parallelism: norms and QK-norms, partial on each TP rank
 
 
 def apply_update(
@@ -95,8 +97,11 @@ def apply_update(
     the same: a NaN on one rank reaches all of them) applies no update: ``nonfinite="stop"``
     raises ``NonFiniteError``; ``"skip"`` drops the gradient, steps the schedule (the step counts)
     and returns ``update_skipped`` 1."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group)
+    layout = tp_layout(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [p for _, p in named]
+    copies = [1 if n in layout.splits else layout.size for n, _ in named] if layout.size > 1 else None
+    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group, copies=copies)
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ class Trainer(Engine):
         return tokenizer
 
     def shape_buckets(self, cfg) -> list[int] | None:
-        return bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=self.env.cp_size)
+        return bucket_edges_for(cfg.train, self.dataset.lengths, cp_size=self.env.cp_size, sp_size=self.env.sp_size)
 
     def build_stream(self, cfg) -> None:
         env, loss = self.env, cfg.loss

@@ -58,7 +58,7 @@ def test_round_trip_yaml_defaults_and_overrides(tmp_path):
         (
             ["train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=1", "parallel.context_parallel_size=2"],
             2,
-            "train.max_tokens_per_gpu=1: must hold at least one CP-aligned row: 2 tokens per GPU",
+            "train.max_tokens_per_gpu=1: must hold at least one aligned row: 2 tokens per GPU",
         ),
         (
             [
@@ -67,7 +67,7 @@ def test_round_trip_yaml_defaults_and_overrides(tmp_path):
                 "train.dynamic_batch_pad_to_multiple=128",
             ],
             1,
-            "train.max_tokens_per_gpu=100: must hold at least one CP-aligned row: 128",
+            "train.max_tokens_per_gpu=100: must hold at least one aligned row: 128",
         ),
         (["parallel.context_parallel_size=3"], 4, "parallel.context_parallel_size=3: must divide the world size 4"),
         (

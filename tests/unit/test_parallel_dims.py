@@ -66,3 +66,54 @@ def test_the_world_has_its_groups(world):
     assert dims.group("cp") is None and dims.group("ep") is None and dims.group("tp") is None
     assert dist.get_world_size(dims.group("loss")) == 1 and dims.group("world") is dist.group.WORLD
     assert dims.mesh("fsdp").size() == 1
+
+
+def test_tensor_parallel_layout_and_alignment():
+    """TP ranks are consecutive (fastest-varying); with sequence parallelism a row splits tp ways."""
+    dims = ParallelDims(world_size=8, cp=2, tp=2)
+    assert (dims.dp, dims.sp) == (2, 2)
+    for rank in range(8):
+        where = dims.coords(rank)
+        assert rank == (where["dp"] * 2 + where["cp"]) * 2 + where["tp"]
+    assert [dims.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert ParallelDims(world_size=2, tp=2, sequence_parallel=False).sp == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        (["parallel.tensor_parallel_size=3"], 3, "must divide model.num_attention_heads=4"),
+        (["parallel.tensor_parallel_size=4"], 4, "must divide model.num_query_groups=2 (KV heads are split over TP"),
+        (["parallel.tensor_parallel_size=2", "model.ffn_hidden_size=99"], 2, "must divide the FFN size 99"),
+        (["parallel.tensor_parallel_size=2"], 3, "context x tensor parallel size 2 must divide the world size 3"),
+        (["parallel.tensor_parallel_size=2", "model.head=value", "loss.type=value"], 2, "value head (model.head=value)"),
+        (["parallel.tensor_parallel_size=0"], 1, "parallel.tensor_parallel_size=0: must be >= 1"),
+    ],
+)
+def test_tensor_parallel_errors_name_the_key(overrides, world, expected):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, overrides), world_size=world)
+    assert expected in str(e.value)
+
+
+def test_tensor_parallel_refuses_moe_by_name():
+    errors = ParallelDims(world_size=2, tp=2).errors(num_moe_experts=4)
+    assert any("MoE models (model.num_moe_experts=4) run with tp 1" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("cp, sp, multiple", [(1, 2, 2), (1, 4, 4), (2, 2, 8)])
+def test_every_planned_length_is_a_multiple_of_the_sp_cp_alignment(layout, cp, sp, multiple):
+    """Odd lengths are padded up to tp (x 2cp), never dropped; priced over cp x sp GPUs."""
+    from backend.batching import plan_dynamic, plan_fixed
+
+    lengths = [1, 3, 5, 7, 9, 11, 13, 33, 65, 127]
+    for plan in (
+        plan_dynamic(lengths, dp_size=2, cp_size=cp, sp_size=sp, max_tokens_per_gpu=64, layout=layout),
+        plan_fixed(lengths, dp_size=2, cp_size=cp, sp_size=sp, micro_batch_size=2, layout=layout),
+    ):
+        mbs = [mb for rank in plan.ranks for mb in rank if mb.indices]
+        assert sorted(i for mb in mbs for i in mb.indices) == list(range(len(lengths)))
+        assert all(mb.padded_len % multiple == 0 for mb in mbs)
+        per_row = [mb.padded_len if layout == "packed" else mb.padded_len * len(mb.indices) for mb in mbs]
+        assert [mb.cost for mb in mbs] == [n // (cp * sp) for n in per_row]

@@ -46,8 +46,9 @@ def core_attention_class(backend: str) -> type:
             **_,
         ):
             super().__init__(config=config)
-            self.num_heads = config.num_attention_heads
-            self.num_kv = config.num_query_groups or config.num_attention_heads
+            tp = config.tensor_model_parallel_size  # each TP rank computes heads / tp of them
+            self.num_heads = config.num_attention_heads // tp
+            self.num_kv = (config.num_query_groups or config.num_attention_heads) // tp
             self.head_dim = config.kv_channels
             self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
             self.rope_spec = rope

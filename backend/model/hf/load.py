@@ -20,7 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from ..tensor_parallel import plain_name, slice_of_whole, tp_layout, whole_shape
 from .gpt_oss import EXPERT_TENSORS, read_expert_tensor
 from .mapping import hf_to_megatron_names, ignorable_hf_names
 from .safetensors_io import HFCheckpoint
@@ -54,11 +56,7 @@ class _ExpertReader:
         return read_expert_tensor(self.names, read, name, self.dtype)
 
 
-def _strip(name: str) -> str:
-    """Parameter names as the mapping knows them, whatever wrapper prefixes the model carries."""
-    for prefix in ("module.", "_orig_mod.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+_strip = plain_name  # parameter names as the mapping knows them, whatever wrapper prefixes the model carries
 
 
 def _is_dtensor(param) -> bool:
@@ -102,10 +100,11 @@ def _local_rows(param) -> tuple[int, int] | None:
     return offset[0], offset[0] + shape[0]
 
 
-def _check_shape(pm, shape: tuple, param) -> None:
-    if shape != tuple(param.shape):
+def _check_shape(pm, shape: tuple, param, expected: tuple | None = None) -> None:
+    expected = tuple(param.shape) if expected is None else tuple(expected)
+    if shape != expected:
         raise ValueError(
-            f"{pm.megatron}: checkpoint gives shape {shape} (from {', '.join(pm.hf)}), the model has {tuple(param.shape)}"
+            f"{pm.megatron}: checkpoint gives shape {shape} (from {', '.join(pm.hf)}), the model has {expected}"
         )
 
 
@@ -156,8 +155,16 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
         ckpt.check_present(
             x for pm in maps for n in pm.hf for x in (experts.needed(n) if experts.is_expert(n) else [n])
         )
+        layout = tp_layout(model)
         for pm in maps:
             param = params[pm.megatron]
+            split = layout.splits.get(pm.megatron)
+            if split is not None:  # a tensor-parallel slice: the whole tensor read, this rank's slice kept
+                full = pm.to_megatron(ckpt.get_many(pm.hf))
+                _check_shape(pm, tuple(full.shape), param, whole_shape(model, pm.megatron, param.shape))
+                _fill(param, slice_of_whole(full, *split, dist.get_rank(layout.group), layout.size).to(param.dtype))
+                del full
+                continue
             if experts.is_expert(pm.hf[0]):  # stacked [E, ...]: per-expert maps, so a slice of E maps alike
                 rows = _local_rows(param)
                 part = pm.to_megatron([experts.get(pm.hf[0], rows)])
