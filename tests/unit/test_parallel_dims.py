@@ -86,7 +86,11 @@ def test_tensor_parallel_layout_and_alignment():
         (["parallel.tensor_parallel_size=4"], 4, "must divide model.num_query_groups=2 (KV heads are split over TP"),
         (["parallel.tensor_parallel_size=2", "model.ffn_hidden_size=99"], 2, "must divide the FFN size 99"),
         (["parallel.tensor_parallel_size=2"], 3, "context x tensor parallel size 2 must divide the world size 3"),
-        (["parallel.tensor_parallel_size=2", "model.head=value", "loss.type=value"], 2, "value head (model.head=value)"),
+        (
+            ["parallel.tensor_parallel_size=2", "model.head=value", "loss.type=value"],
+            2,
+            "value head (model.head=value)",
+        ),
         (["parallel.tensor_parallel_size=0"], 1, "parallel.tensor_parallel_size=0: must be >= 1"),
     ],
 )
