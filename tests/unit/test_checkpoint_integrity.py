@@ -80,6 +80,15 @@ def test_a_flipped_byte_is_refused_and_resume_falls_back(world, run, caplog, tmp
 
     assert verify([str(run)]) == 1
     assert verify([str(run / "checkpoints" / STEP1)]) == 0
+    out = subprocess.run(  # the same command by its path, as the users call it
+        [sys.executable, "tools/verify_checkpoint.py", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert out.returncode == 1 and STEP2 in out.stdout + out.stderr, out.stdout + out.stderr
     assert verify([str(tmp_path / "nothing")]) == 2
 
 

@@ -304,17 +304,18 @@ KEPT_TOOL_PATHS = (
     "bench_train.py",
     "preprocess_data.py",
     "simulate_batching.py",
+    "verify_checkpoint.py",
     "setup_env.sh",
     "slurm/train.sbatch",
 )
 
 
 def test_tools_are_grouped_by_kind():
-    """At most 10 files directly in tools/ (user commands, the set-up, bench_train), the rest in
+    """At most 11 files directly in tools/ (user commands, the set-up, bench_train), the rest in
     bench/, plot/, env/ and slurm/; no script patches sys.path (the package is installed)."""
     tools = REPO / "tools"
     top = sorted(p.name for p in tools.iterdir() if p.is_file())
-    assert len(top) <= 10, top
+    assert len(top) <= 11, top
     folders = {p.name for p in tools.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert folders <= {"bench", "plot", "env", "slurm"}, folders
     for kept in KEPT_TOOL_PATHS:
@@ -329,7 +330,15 @@ def test_user_commands_are_console_scripts():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
-    for name in ("compute_logprobs", "export_hf", "probe_memory", "compare_arms", "show_data", "plot_metrics"):
+    for name in (
+        "compute_logprobs",
+        "export_hf",
+        "probe_memory",
+        "compare_arms",
+        "show_data",
+        "plot_metrics",
+        "verify_checkpoint",
+    ):
         target = scripts[f"backend-{name.replace('_', '-')}"]
         assert target == f"backend.commands.{name}:main"
         assert f"from backend.commands.{name} import main" in (REPO / "tools" / f"{name}.py").read_text()
