@@ -107,7 +107,7 @@ def run_phase(config: str, overrides: list[str], kind: str, steps: int, workdir:
         if "loss" in r
     ]
     limit = memory.limit_bytes
-    over_limit_at = worst_peak(memory.fit, 1.15 * budget, base.data.max_seq_length, env.cp_size)
+    over_limit_at = worst_peak(memory.fit, 1.15 * budget, base.data.max_seq_length, env.cp_size * env.sp_size)
     ratios = [s["peak_over_prediction_max_rank"] for s in steps_out]  # the worst rank's, each step
     return {
         "phase": kind,

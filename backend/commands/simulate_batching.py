@@ -38,6 +38,7 @@ def plan_with(scheduler: str, lengths: list[int], args: argparse.Namespace, edge
     plan_args = PlanArgs(
         dp_size=args.dp,
         cp_size=args.cp,
+        sp_size=args.sp,
         max_tokens_per_gpu=args.max_tokens_per_gpu,
         micro_batch_size=1,
         pad_to_multiple=args.pad_to_multiple,
@@ -98,6 +99,7 @@ def simulate(set_name: str, windows: list[list[int]], args: argparse.Namespace, 
                 "scheduler": scheduler,
                 "dp": args.dp,
                 "cp": args.cp,
+                "sp": args.sp,
                 "max_tokens_per_gpu": args.max_tokens_per_gpu,
                 "pad_to_multiple": args.pad_to_multiple,
                 "steps": steps,
@@ -139,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths-file", help="file of lengths, one integer a line, cut into windows")
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="the sequence-parallel split: parallel.tensor_parallel_size with sequence parallelism (rows aligned "
+        "to 2 x cp x sp, priced over cp x sp GPUs), else 1",
+    )
     p.add_argument("--max-tokens-per-gpu", type=int, default=16384)
     p.add_argument("--pad-to-multiple", type=int, default=1)
     p.add_argument("--global-batch-size", type=int, default=512, help="sequences per optimizer step")
@@ -180,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     if name not in LENGTH_SETS
                     else synthetic_lengths(name, 20000, seed=10**6 + args.seed, cap=args.cap)
                 )
-                edges = choose_bucket_edges(sample, args.max_shapes, pad_multiple(args.pad_to_multiple, args.cp))
+                edges = choose_bucket_edges(
+                    sample, args.max_shapes, pad_multiple(args.pad_to_multiple, args.cp, args.sp)
+                )
             rows += simulate(name, windows, args, edges)
     except ValueError as e:
         p.error(str(e))

@@ -323,11 +323,13 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     packed = t.dynamic_batch_enable and t.dynamic_batch_layout == "packed"
     if m.attention_backend == "te" and packed and cp > 1 and (m.attention_sinks or m.sliding_window):
         groups = m.num_query_groups or m.num_attention_heads
-        if m.num_attention_heads % cp or groups % cp:
+        tp = max(1, cfg.parallel.tensor_parallel_size)  # TE sees each TP rank's heads
+        if (m.num_attention_heads // tp) % cp or (groups // tp) % cp:
             errors.append(
                 f"parallel.context_parallel_size={cp}: with model.attention_backend=te, sinks/windows and packed rows, "
                 f"Transformer Engine exchanges heads (a2a), so model.num_attention_heads={m.num_attention_heads} and "
-                f"model.num_query_groups={groups} must divide by it (or use flex, or the padded layout)"
+                f"model.num_query_groups={groups} over parallel.tensor_parallel_size={tp} must divide by it (or use "
+                "flex, or the padded layout)"
             )
     if m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups:
         errors.append(
@@ -367,6 +369,11 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors += dims.errors(num_moe_experts=m.num_moe_experts, model=m)  # the one place the sizes are checked
     if dims.tp > 1 and ffn_size(m) % dims.tp:
         errors.append(f"parallel.tensor_parallel_size={dims.tp}: must divide the FFN size {ffn_size(m)}")
+    if dims.tp > 1 and cfg.rl.advantage == "gae":
+        errors.append(
+            f"parallel.tensor_parallel_size={dims.tp}: rl.advantage=gae trains a critic, whose one-output value "
+            "head runs with tp 1 (use rl.advantage=grpo, or tp 1)"
+        )
     cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(

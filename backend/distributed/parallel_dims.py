@@ -122,6 +122,8 @@ class ParallelDims:
             out.append(
                 f"{key}: must divide model.num_query_groups={groups} (KV heads are split over TP, not replicated)"
             )
+        if getattr(model, "attention_sinks", False):
+            out.append(f"{key}: attention sinks (model.attention_sinks) run with tp 1")
         if getattr(model, "head", "lm") == "value":
             out.append(f"{key}: a critic's value head (model.head=value) has one output and runs with tp 1")
         if getattr(model, "logits_fused_kernel", "none") != "none":

@@ -114,6 +114,7 @@ def init_distributed(
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        _warn_unrestartable()
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     dims = ParallelDims(
         world_size=dist.get_world_size(), cp=cp_size, ep=ep_size, tp=tp_size, sequence_parallel=sequence_parallel
@@ -148,6 +149,18 @@ def init_distributed(
         device=device,
         dims=dims,
     )
+
+
+def _warn_unrestartable() -> None:
+    """torchrun with restarts allowed and its rendezvous store shared with the workers: a restarted
+    group would read the previous attempt's addresses (``torchrun.py``); say how to avoid it."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
+        log.warning(
+            "torchrun --max-restarts > 0 with its rendezvous store shared: a restarted group can fail to connect "
+            "(stale addresses of the previous attempt); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            "torchrun's environment (python -m backend.distributed.torchrun sets it)"
+        )
 
 
 def init_from_config(cfg) -> ParallelEnv:

@@ -34,7 +34,7 @@ from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
 from .recompute import apply_recompute
-from .tensor_parallel import record_layout
+from .tensor_parallel import record_layout, whole_numel
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,8 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     if hf_dir or empty:
         model = _meta_model(cfg, vocab, backend, env)
         _check_no_buffers(model)
-        num_parameters = sum(p.numel() for p in model.parameters())
+        num_parameters = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
         apply_recompute(model, m.recompute_granularity)
-        record_layout(model, env.group("tp"))
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         model.to_empty(device=env.device)
         if empty:
@@ -178,9 +177,8 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             seed=cfg.train.seed,
             **_tp(env),
         )
-        num_parameters = sum(p.numel() for p in model.parameters())
+        num_parameters = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
         apply_recompute(model, m.recompute_granularity)
-        record_layout(model, env.group("tp"))
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         source = f"initialised from train.seed={cfg.train.seed}"
     _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)

@@ -80,6 +80,11 @@ def record_layout(model: torch.nn.Module, group) -> TPLayout:
     return layout
 
 
+def whole_numel(layout: TPLayout, model) -> int:
+    """The model's parameter count with every TP slice counted whole (what the model has)."""
+    return sum(p.numel() * (layout.size if plain_name(n) in layout.splits else 1) for n, p in model.named_parameters())
+
+
 def tp_layout(model) -> TPLayout:
     return getattr(model, "tp_layout", None) or TPLayout()
 

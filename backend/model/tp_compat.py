@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1's tensor-parallel layers on CPU: two narrow fixes.
+"""megatron-core 0.16.1's tensor-parallel layers here: two narrow fixes.
 
 The layers (``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``) compute
 with plain torch and talk over the tensor-parallel group with ``torch.distributed`` calls that
@@ -6,16 +6,18 @@ gloo runs, but their sequence-parallel paths allocate their communication buffer
 ``torch.cuda.current_device()`` (``mappings._gather_along_first_dim``,
 ``_reduce_scatter_along_first_dim``, the backward of ``LinearWithGradAccumulationAndAsyncCommunication``
 and ``GlobalMemoryBuffer.get_tensor``, whose buffer the forward all-gather reuses): on a CPU-only
-torch each raises "Torch not compiled with CUDA enabled". And the embedding's sequence-parallel
-dropout forks the CUDA RNG tracker, which has no state on CPU. ``apply_tp_compat()`` patches
-exactly these, once per process, and only where CUDA is absent (a CUDA process runs megatron-core
-untouched):
+torch each raises "Torch not compiled with CUDA enabled". And with sequence parallelism the
+embedding's dropout and every transformer block's forward fork the CUDA RNG tracker, whose
+"model-parallel-rng" state only megatron-core's ``model_parallel_cuda_manual_seed`` adds
+(CUDA-only): unseeded, the fork raises on a GPU too. ``apply_tp_compat()`` patches exactly these,
+once per process:
 
-1. In ``tensor_parallel.mappings``, ``tensor_parallel.layers`` and ``utils`` the name ``torch``
-   becomes a view of torch whose ``cuda.current_device()`` is the CPU: the buffers are allocated
-   where the tensors are; every other attribute is torch's own.
-2. The RNG tracker's ``fork`` is a no-op context: dropout is 0 in every model built here
-   (``hidden_dropout`` and ``attention_dropout``), so no random number is drawn inside it.
+1. Where CUDA is absent, in ``tensor_parallel.mappings``, ``tensor_parallel.layers`` and ``utils``
+   the name ``torch`` becomes a view of torch whose ``cuda.current_device()`` is the CPU: the
+   buffers are allocated where the tensors are; every other attribute is torch's own.
+2. On every device, the RNG tracker's ``fork`` is a no-op context: dropout is 0 in every model
+   built here (``hidden_dropout`` and ``attention_dropout``) and weights are initialised on the CPU
+   (``use_cpu_initialization``), so no random number is drawn inside it.
 """
 
 from __future__ import annotations
@@ -51,16 +53,17 @@ class _TorchOnCpu:
 
 
 def apply_tp_compat() -> None:
-    """Make megatron-core's tensor-parallel layers run on a CPU-only torch (idempotent)."""
-    if _APPLIED or torch.cuda.is_available():
+    """Make megatron-core's tensor-parallel layers run here (idempotent; see the module docstring)."""
+    if _APPLIED:
         return
-    shim = _TorchOnCpu()
-    for name in (
-        "megatron.core.tensor_parallel.mappings",
-        "megatron.core.tensor_parallel.layers",
-        "megatron.core.utils",
-    ):
-        import_megatron_module(name).torch = shim
     random = import_megatron_module("megatron.core.tensor_parallel.random")
     random.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        shim = _TorchOnCpu()
+        for name in (
+            "megatron.core.tensor_parallel.mappings",
+            "megatron.core.tensor_parallel.layers",
+            "megatron.core.utils",
+        ):
+            import_megatron_module(name).torch = shim
     _APPLIED.append("tp")

@@ -31,7 +31,7 @@ from backend.errors import UserError
 from backend.loss.outputs import placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
 from backend.model import moe_stats
-from backend.model.tensor_parallel import sum_partial_grads, tp_layout
+from backend.model.tensor_parallel import plain_name, sum_partial_grads, tp_layout
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -100,7 +100,7 @@ def apply_update(
     layout = tp_layout(model)
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     params = [p for _, p in named]
-    copies = [1 if n in layout.splits else layout.size for n, _ in named] if layout.size > 1 else None
+    copies = [1 if plain_name(n) in layout.splits else layout.size for n, _ in named] if layout.size > 1 else None
     grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group, copies=copies)
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -39,8 +39,8 @@ pytestmark = pytest.mark.distributed
 BASE = ["model.hidden_size=128", "train.global_batch_size=32", "train.train_iters=6", "scheduler.warmup_iters=2"]
 
 
-def command(run_dir: Path, cache: str, overrides: list[str], nproc: int) -> list[str]:
-    launcher = torchrun_command(nproc)
+def command(run_dir: Path, cache: str, overrides: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
+    launcher = torchrun_command(nproc, max_restarts=max_restarts)
     return [
         *launcher,
         "-m",
@@ -54,12 +54,12 @@ def command(run_dir: Path, cache: str, overrides: list[str], nproc: int) -> list
 
 
 def start(
-    run_dir: Path, cache: str, overrides: list[str] = (), nproc: int = 2, torchrun: bool = True
+    run_dir: Path, cache: str, overrides: list[str] = (), nproc: int = 2, torchrun: bool = True, max_restarts: int = 0
 ) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / f"launch_{time.monotonic_ns()}.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = command(run_dir, cache, list(overrides), nproc)
+    cmd = command(run_dir, cache, list(overrides), nproc, max_restarts)
     if not torchrun:  # one process, no launcher: python -m backend.train ...
         cmd = [sys.executable, *cmd[cmd.index("-m", 3) :]]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -143,6 +143,21 @@ def test_kill9_during_step5_then_resume_is_bitwise_identical(tmp_path, embedded_
     assert finish(start(tmp_path, embedded_cache, ["checkpoint.interval=2"])) == 0, logs(tmp_path)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    same_steps(reference[1], rows, [1, 2, 3, 4, 5, 6])
+
+
+def test_a_rank_killed_mid_step_restarts_the_group_from_the_last_checkpoint(tmp_path, embedded_cache, reference):
+    """torchrun --max-restarts 1, rank 1 SIGKILLed during step 5 (after the step-4 checkpoint):
+    torchrun stops rank 0, starts a new group, and that group resumes from step 4 and finishes;
+    steps 5 and 6 equal the uninterrupted run's bitwise."""
+    proc = start(tmp_path, embedded_cache, ["checkpoint.interval=2"], max_restarts=1)
+    wait_for(lambda: (tmp_path / "checkpoints" / "step_00000004" / "meta.json").exists() or proc.poll() is not None)
+    world = json.loads((tmp_path / "world.json").read_text())
+    os.kill(next(w["pid"] for w in world if w["rank"] == 1), signal.SIGKILL)
+    assert finish(proc) == 0, logs(tmp_path)
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000004'}" in logs(tmp_path)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
     same_steps(reference[1], rows, [1, 2, 3, 4, 5, 6])
 
 

@@ -92,6 +92,12 @@ def test_tensor_parallel_layout_and_alignment():
             "value head (model.head=value)",
         ),
         (["parallel.tensor_parallel_size=0"], 1, "parallel.tensor_parallel_size=0: must be >= 1"),
+        (
+            ["parallel.tensor_parallel_size=2", "model.attention_sinks=true"],
+            2,
+            "attention sinks (model.attention_sinks)",
+        ),
+        (["parallel.tensor_parallel_size=2", "rl.advantage=gae"], 2, "rl.advantage=gae trains a critic"),
     ],
 )
 def test_tensor_parallel_errors_name_the_key(overrides, world, expected):
