@@ -130,6 +130,31 @@ def test_a_reward_that_never_returns_stops_the_step_within_its_timeout(worker, t
     assert worker.step == before
 
 
+def test_a_generator_that_raises_stops_the_step_with_its_error_and_trains_nothing(worker, tmp_path):
+    """The generator's own failure (a sampler crash, an out-of-memory) ends the step on every rank
+    (the loop's error exchange) with the generator's error and the prompt; no step is taken."""
+
+    class Broken(HFGenerator):
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("sampler crashed: CUDA error: an illegal memory access")
+
+    spec = tmp_path / "reward.py"
+    spec.write_text("def reward(prompt, response, row):\n    return 1.0\n")
+    worker.trainer.cfg.rl.__dict__.update(
+        reward=f"{spec}:reward", prompts=str(REPO / "configs/grpo_demo/prompts.jsonl")
+    )
+    base = HFGenerator.from_worker(worker)
+    broken = Broken.__new__(Broken)
+    broken.__dict__.update(base.__dict__)
+    before = worker.step
+    with pytest.raises(RuntimeError) as e:
+        GRPOLoop(worker, broken).step()
+    text = str(e.value)
+    assert "generating for" in text and "prompts.jsonl:" in text and "sampler crashed" in text
+    assert "nothing of this step was trained" in text
+    assert worker.step == before
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
