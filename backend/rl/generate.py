@@ -11,8 +11,9 @@ model has beyond the tokenizer's vocabulary, padding rows of the embedding, are 
 row must hold tokenizer ids. The trainer keeps them out of its softmax too for the rows we padded;
 an imported checkpoint's extra rows (Qwen3: 151,669 ids in 151,936 rows) stay in the trainer's
 softmax, as in transformers, so their probability mass shows up in the mismatch metrics),
-with a KV cache, one prompt's ``n`` samples as one batch (no padding: they share the prompt), a
-``torch.Generator`` seeded per call (the same seed gives the same responses on any rank), and
+with a KV cache, every prompt's ``n`` samples of a rank in one batch (``generate_batch``: prompts
+left-padded), a ``torch.Generator`` seeded per prompt (the same seed gives the same responses on
+any rank, in any batch), and
 each sampled token's log-probability under that distribution returned beside it: what the
 sampler saw, for ``rollout_logprobs``.
 """
@@ -109,34 +110,72 @@ class HFGenerator:
         """Next-token logits [b, s, vocab] of ``input_ids`` (FP32)."""
         return self.model(input_ids=input_ids.to(self.device)).logits.float()
 
-    @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[int], n: int, temperature: float, max_new_tokens: int, seed: int
     ) -> list[Completion]:
-        """``n`` responses to one prompt, sampled at ``temperature`` (> 0) for up to
-        ``max_new_tokens`` tokens each, stopping a response at its first stop id."""
+        """``n`` responses to one prompt (``generate_batch`` of one prompt)."""
+        return self.generate_batch([prompt_ids], n, temperature, max_new_tokens, [seed])[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        seeds: Sequence[int],
+    ) -> list[list[Completion]]:
+        """``n`` responses to each prompt, all in one batch: prompts left-padded to the longest
+        (masked, positions counted from each prompt's first token), one forward per new token for
+        every row at once (one prompt at a time took 2.1x the generation time of TRL's one batched
+        call on the tiny GRPO task). Prompt p's samples draw from a ``torch.Generator`` seeded
+        with ``seeds[p]``, so a prompt's random draws do not depend on which other prompts share
+        its batch or rank (its logits may, by FP32 rounding: the padding is masked, not absent). Sampled at ``temperature`` (> 0) for up to ``max_new_tokens`` tokens,
+        a response ending at its first stop id."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: must be > 0 (sampling)")
-        if not len(prompt_ids):
+        if not prompts:
+            return []
+        if any(not len(p) for p in prompts):
             raise ValueError("an empty prompt: give at least one token")
-        rng = torch.Generator(device=self.device).manual_seed(int(seed))
-        ids = torch.tensor([list(prompt_ids)] * n, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
+        rngs = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        longest = max(len(p) for p in prompts)
+        rows = [[0] * (longest - len(p)) + list(p) for p in prompts for _ in range(n)]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        mask = torch.tensor(
+            [[0] * (longest - len(p)) + [1] * len(p) for p in prompts for _ in range(n)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        positions = (mask.cumsum(1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
-        done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        last = positions[:, -1:]
         tokens, logps = [], []
         for _ in range(max_new_tokens):
             if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
                 logits[:, self.vocab_limit :] = float("-inf")  # ids the tokenizer does not have
             logp = torch.log_softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1)
+            probs = logp.exp()
+            token = torch.cat(
+                [torch.multinomial(probs[g * n : (g + 1) * n], 1, generator=rng) for g, rng in enumerate(rngs)]
+            ).squeeze(1)
             tokens.append(token)
             logps.append(logp.gather(1, token[:, None]).squeeze(1))
             done |= torch.isin(token, stops)
             if bool(done.all()):
                 break
-            out = self.model(input_ids=token[:, None], use_cache=True, **{self._cache_key: past})
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            last = last + 1
+            out = self.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=last,
+                use_cache=True,
+                **{self._cache_key: past},
+            )
             past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
         token_rows = torch.stack(tokens, 1).cpu().numpy()
         logp_rows = torch.stack(logps, 1).cpu().numpy()
@@ -151,4 +190,4 @@ class HFGenerator:
                     stopped=end < len(toks) or (len(toks) > 0 and int(toks[-1]) in stop_set),
                 )
             )
-        return completions
+        return [completions[p * n : (p + 1) * n] for p in range(len(prompts))]

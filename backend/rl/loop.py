@@ -142,17 +142,23 @@ class GRPOLoop:
         mine: dict[int, tuple[list, list[float]]] = {}
         error = None
         start = time.perf_counter()
-        for slot in range(env.rank, len(ids), env.world_size):
-            prompt = self.prompts[int(ids[slot])]
+        slots = list(range(env.rank, len(ids), env.world_size))
+        prompts = [self.prompts[int(ids[slot])] for slot in slots]
+        try:  # any failure is shared with the other ranks below (raising here alone would hang them)
+            batches = self.generator.generate_batch(
+                [p.token_ids for p in prompts],
+                rl.samples_per_prompt,
+                rl.temperature,
+                rl.max_new_tokens,
+                [sampling_seed(self.cfg.train.seed, step, slot) for slot in slots],
+            )
+        except Exception as e:
+            where = ", ".join(p.where for p in prompts[:3]) + (", ..." if len(prompts) > 3 else "")
+            error = ("generate", f"generating for {where} on rank {env.rank}: {type(e).__name__}: {e}")
+            batches = []
+        for slot, prompt, completions in zip(slots, prompts, batches):
             rewards = []
-            try:  # any failure is shared with the other ranks below (raising here alone would hang them)
-                completions = self.generator.generate(
-                    prompt.token_ids,
-                    rl.samples_per_prompt,
-                    rl.temperature,
-                    rl.max_new_tokens,
-                    sampling_seed(self.cfg.train.seed, step, slot),
-                )
+            try:
                 for k, c in enumerate(completions):
                     response = self.worker.tokenizer.decode(c.token_ids)
                     where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
@@ -169,9 +175,6 @@ class GRPOLoop:
                     )
             except RewardError as e:
                 error = ("reward", str(e))
-                break
-            except Exception as e:
-                error = ("generate", f"generating for {prompt.where} on rank {env.rank}: {type(e).__name__}: {e}")
                 break
             mine[slot] = ([(c.token_ids, c.logprobs, c.stopped) for c in completions], rewards)
         generate_s = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """A vLLM engine in the trainer's process, fed by the same Hugging Face weight stream.
 
 The optional extra ``vllm`` (CUDA only). Same interface as ``generate.HFGenerator``:
-``load_weights(pairs)`` and ``generate(prompt_ids, n, temperature, max_new_tokens, seed)``.
+``load_weights(pairs)``, ``generate(prompt_ids, n, temperature, max_new_tokens, seed)`` and
+``generate_batch(prompts, n, temperature, max_new_tokens, seeds)``.
 
 - Start: vLLM needs a model directory to build its model class, so the policy's config.json
   (``PolicyWorker.hf_config``; no weights) is written to a temporary directory and the engine
@@ -95,12 +96,10 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
         return SyncStats(count, size, time.perf_counter() - start)
 
-    def generate(
-        self, prompt_ids: Sequence[int], n: int, temperature: float, max_new_tokens: int, seed: int
-    ) -> list[Completion]:
+    def _params(self, n: int, temperature: float, max_new_tokens: int, seed: int):
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        return SamplingParams(
             n=n,
             temperature=temperature,
             top_p=1.0,
@@ -112,10 +111,27 @@ class VLLMGenerator:
             detokenize=False,
             allowed_token_ids=self.allowed,
         )
-        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)[0]
-        completions = []
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            lps = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
-            completions.append(Completion(ids, lps, stopped=o.finish_reason == "stop"))
-        return completions
+
+    def generate(
+        self, prompt_ids: Sequence[int], n: int, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[Completion]:
+        return self.generate_batch([prompt_ids], n, temperature, max_new_tokens, [seed])[0]
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int, seeds: Sequence[int]
+    ) -> list[list[Completion]]:
+        """Every prompt in one ``LLM.generate`` call (vLLM schedules them together), each request
+        with its own seed, as ``HFGenerator.generate_batch``."""
+        if not prompts:
+            return []
+        params = [self._params(n, temperature, max_new_tokens, s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        batches = []
+        for out in outs:
+            completions = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
+                completions.append(Completion(ids, lps, stopped=o.finish_reason == "stop"))
+            batches.append(completions)
+        return batches

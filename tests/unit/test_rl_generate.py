@@ -3,7 +3,7 @@
 - after a weight load its logits equal a ``transformers`` model loaded from the exported
   directory (``tools/export_hf.py``'s library call), bitwise;
 - sampling is a function of the seed; the sampler's log-probabilities are the trainer's to FP32
-  rounding; ids past the tokenizer's vocabulary are never sampled; stop ids end a response;
+  rounding, for one prompt and for a left-padded batch of prompts; ids past the tokenizer's vocabulary are never sampled; stop ids end a response;
 - a weight stream with a missing, unknown or misshapen tensor is refused, naming it.
 """
 
@@ -74,6 +74,26 @@ def test_sampling_follows_the_seed_and_reports_the_trainers_logprobs(trained):
         assert np.max(np.abs(np.asarray(x.logprobs) - lp[len(PROMPT) :])) <= 2e-6
     # At T = 0.7 the sampler's are log softmax(logits / 0.7): a sharper distribution, higher values.
     assert np.mean([np.mean(x.logprobs) for x in a]) > np.mean([np.mean(x.logprobs) for x in ones])
+
+
+def test_a_batch_of_prompts_samples_each_as_alone_and_reports_the_trainers_logprobs(trained):
+    """generate_batch: prompts of different lengths left-padded into one batch; each prompt's
+    draws come from its own seed (its samples as when generated alone, up to a flip where FP32
+    rounding of the padded batch moves a probability across a draw), and every sampled token's
+    log-probability is the trainer's at T = 1."""
+    worker, gen, _ = trained
+    prompts = [PROMPT, list(b"x = "), list(b"class Point:\n    def __init__(self")]
+    seeds = [11, 12, 13]
+    batch = gen.generate_batch(prompts, 4, 1.0, 10, seeds)
+    alone = [gen.generate(p, 4, 1.0, 10, seed=s) for p, s in zip(prompts, seeds)]
+    assert [len(b) for b in batch] == [4, 4, 4]
+    same = sum(x.token_ids == y.token_ids for b, a in zip(batch, alone) for x, y in zip(b, a))
+    assert same >= 10, same  # 12 responses; rounding may flip a late draw, not the seeds' streams
+    for prompt, completions in zip(prompts, batch):
+        rows = [{"input_ids": prompt + x.token_ids} for x in completions]
+        for x, lp in zip(completions, worker.logprobs(rows)):
+            assert np.max(np.abs(np.asarray(x.logprobs) - lp[len(prompt) :])) <= 2e-5
+    assert gen.generate_batch([], 4, 1.0, 10, []) == []
 
 
 def test_vocabulary_limit_and_stop_ids(trained):

@@ -135,7 +135,7 @@ def test_a_generator_that_raises_stops_the_step_with_its_error_and_trains_nothin
     (the loop's error exchange) with the generator's error and the prompt; no step is taken."""
 
     class Broken(HFGenerator):
-        def generate(self, *args, **kwargs):
+        def generate_batch(self, *args, **kwargs):
             raise RuntimeError("sampler crashed: CUDA error: an illegal memory access")
 
     spec = tmp_path / "reward.py"
