@@ -159,7 +159,13 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
         for pm in maps:
             param = params[pm.megatron]
             split = layout.splits.get(pm.megatron)
-            if split is not None:  # a tensor-parallel slice: the whole tensor read, this rank's slice kept
+            rows = _local_rows(param) if split == (0, 1) and pm.is_copy else None
+            if rows is not None:  # a vocabulary slice (embedding, output layer): only its FSDP2 rows read
+                _check_shape(pm, tuple(ckpt.shape(pm.hf[0])), param, whole_shape(model, pm.megatron, param.shape))
+                offset = dist.get_rank(layout.group) * param.shape[0]
+                param.to_local().copy_(ckpt.get_rows(pm.hf[0], rows[0] + offset, rows[1] + offset).to(param.dtype))
+                continue
+            if split is not None:  # another tensor-parallel slice: the whole tensor read, this rank's slice kept
                 full = pm.to_megatron(ckpt.get_many(pm.hf))
                 _check_shape(pm, tuple(full.shape), param, whole_shape(model, pm.megatron, param.shape))
                 _fill(param, slice_of_whole(full, *split, dist.get_rank(layout.group), layout.size).to(param.dtype))
