@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
 
         check_loop_config(cfg)  # the loop's own keys, before minutes of model building
         env = init_from_config(cfg)
-        worker = critic = None
+        worker = critic = generator = None
         try:
             worker = PolicyWorker.from_config(args.config, args.overrides, env=env)
             critic = build_critic(args.config, args.overrides, worker, env) if cfg.rl.advantage == "gae" else None
-            loop = GRPOLoop(worker, build_generator(worker), critic)
+            generator = build_generator(worker)
+            loop = GRPOLoop(worker, generator, critic)
             wandb_run = start_wandb(worker.cfg, env, run_id=worker.trainer.wandb_run_id)
             worker.trainer.attach_wandb(wandb_run)
             outcome = loop.run()
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             for w in (critic, worker):  # metrics flushed and run directories released, whatever happened
                 if w is not None:
                     w.close()
+            if hasattr(generator, "close"):  # an engine that tears down process groups of its own (vLLM)
+                generator.close()
             shutdown_distributed()
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0
 

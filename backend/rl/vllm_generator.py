@@ -154,6 +154,15 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
         return SyncStats(count, size, time.perf_counter() - start)
 
+    def close(self) -> None:
+        """Shut the engine down now, while torch.distributed is still up: its shutdown destroys the
+        process groups it made (and, in the trainer's process, the default one) and raised
+        "Invalid process group specified" when it ran at exit after ours were gone."""
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()
+        self.llm = None
+
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """log p of every token of ``token_ids`` after the first under the engine's weights at
         temperature 1 (vLLM's prompt log-probabilities, taken before any temperature)."""
