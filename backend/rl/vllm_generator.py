@@ -155,12 +155,26 @@ class VLLMGenerator:
         return SyncStats(count, size, time.perf_counter() - start)
 
     def close(self) -> None:
-        """Shut the engine down now, while torch.distributed is still up: its shutdown destroys the
-        process groups it made (and, in the trainer's process, the default one) and raised
-        "Invalid process group specified" when it ran at exit after ours were gone."""
+        """Shut the engine down now, while torch.distributed is still up. Its shutdown destroys the
+        process groups it made and then the default one, the trainer's (vLLM joins the trainer's
+        world in its process): that one is kept, so the trainer's collectives go on. Left to run at
+        exit, after the trainer's groups were gone, it raised "Invalid process group specified"."""
+        import torch.distributed as dist
+
         client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if client is not None:
+        if client is None:
+            return
+        destroy = dist.destroy_process_group
+
+        def keep_default(group=None):
+            if group is not None and group is not dist.group.WORLD:
+                destroy(group)
+
+        dist.destroy_process_group = keep_default
+        try:
             client.shutdown()
+        finally:
+            dist.destroy_process_group = destroy
         self.llm = None
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> list[float]:

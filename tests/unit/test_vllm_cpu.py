@@ -67,6 +67,8 @@ def loop(world, tmp_path_factory):
     assert isinstance(gen, VLLMGenerator)
     yield GRPOLoop(worker, gen)
     worker.close()
+    gen.close()  # its process groups, not the shared world's
+    assert torch.distributed.is_initialized()
 
 
 def test_vllm_samples_with_the_trainers_logprobs_after_syncs(loop):
