@@ -28,7 +28,7 @@ import torch
 from backend.distributed.collectives import dist_sum
 from backend.megatron_compat import import_megatron_module
 
-from .vocab_parallel import global_max, label_slots, local_limit, slice_of
+from .vocab_parallel import label_slots, local_limit, slice_log_softmax, slice_of
 
 
 @dataclass
@@ -278,16 +278,12 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def _slice_logp(z, y, owned, tp, lp_out, lse_out, scratch):
-    """log p of a chunk over a vocabulary split across ``tp`` (``vocab_parallel``), in place in
-    ``scratch`` (or a new tensor) from the logits ``z`` [c, rows], whose buffer it reuses; writes log p(label) and the logsumexp into ``lp_out`` / ``lse_out``. Three
-    [c] all-reduces: the maximum, the normaliser, the label's log p from the slice holding it."""
-    m = global_max(z, tp)
-    logp = torch.sub(z, m[:, None], out=scratch) if scratch is not None else z - m[:, None]
-    norm = dist_sum(torch.exp(logp, out=z).sum(1), tp).log_()  # z's buffer is free for the exponentials
-    logp.sub_(norm[:, None])
-    picked = logp.gather(1, y[:, None])[:, 0] if logp.shape[1] else torch.zeros_like(norm)
-    lp_out.copy_(dist_sum(torch.where(owned, picked, torch.zeros_like(picked)), tp))
-    lse_out.copy_(m + norm)
+    """log p of a chunk over a vocabulary split across ``tp`` (``slice_log_softmax``), into
+    ``scratch`` (or a new tensor); the exponentials go to the logits' buffer ``z``, free by then.
+    Writes log p(label) and the logsumexp into ``lp_out`` / ``lse_out``."""
+    logp, lp, lse = slice_log_softmax(z, y, owned, tp, out=scratch, exp_out=z)
+    lp_out.copy_(lp)
+    lse_out.copy_(lse)
     return logp
 
 

@@ -43,6 +43,28 @@ def global_max(z: torch.Tensor, group) -> torch.Tensor:
     return dist_max_tensor(m.contiguous(), group)
 
 
+def slice_log_softmax(z, index, owned, group, *, out=None, exp_out=None):
+    """(log p of this slice's logits ``z`` [..., v], log p(label) [...] taken from the slice holding
+    it, logsumexp [...]): the three all-reduces of the module docstring. ``out`` receives log p,
+    ``exp_out`` the exponentials (the chunked path reuses its buffers; both may be ``z`` itself
+    only where ``z`` is not needed afterwards)."""
+    m = global_max(z, group)
+    logp = torch.sub(z, m.unsqueeze(-1), out=out) if out is not None else z - m.unsqueeze(-1)
+    exps = torch.exp(logp, out=exp_out) if exp_out is not None else logp.exp()
+    norm = dist_sum(exps.sum(-1), group).log_()
+    del exps
+    logp.sub_(norm.unsqueeze(-1))
+    picked = logp.gather(-1, index.unsqueeze(-1)).squeeze(-1) if logp.shape[-1] else torch.zeros_like(norm)
+    lp = dist_sum(torch.where(owned, picked, torch.zeros_like(picked)), group)
+    return logp, lp, m + norm
+
+
+def _scaled(logits: torch.Tensor, keep: int | None, temperature: float) -> torch.Tensor:
+    """The slice's logits below the vocabulary limit over the temperature, in the wide dtype."""
+    z = _wide(logits)[..., :keep] if keep is not None else _wide(logits)
+    return z / temperature if temperature != 1.0 else z
+
+
 def _wide(logits: torch.Tensor) -> torch.Tensor:
     """FP32 for BF16 / FP16 logits (as the whole-vocabulary path's ``logits.float()``), FP64 kept."""
     return logits if logits.dtype == torch.float64 else logits.float()
@@ -57,17 +79,10 @@ class _SliceLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, keep, temperature, want_entropy):
-        z = _wide(logits)[..., :keep] if keep is not None else _wide(logits)
-        if temperature != 1.0:
-            z = z / temperature
+        z = _scaled(logits, keep, temperature)
         start = dist.get_rank(group) * logits.shape[-1]
         index, owned = label_slots(labels, start, z.shape[-1])
-        m = global_max(z, group)
-        norm = dist_sum(torch.exp(z - m.unsqueeze(-1)).sum(-1), group).log_()
-        lse = m + norm
-        logp = z - lse.unsqueeze(-1)
-        picked = logp.gather(-1, index.unsqueeze(-1)).squeeze(-1) if z.shape[-1] else torch.zeros_like(lse)
-        lp = dist_sum(torch.where(owned, picked, torch.zeros_like(picked)), group)
+        logp, lp, lse = slice_log_softmax(z, index, owned, group)
         ent = -dist_sum(torch.linalg.vecdot(logp.exp(), logp), group) if want_entropy else torch.zeros_like(lp)
         ctx.save_for_backward(logits, index, owned, lse, ent)
         ctx.keep, ctx.temperature = keep, temperature
@@ -78,9 +93,7 @@ class _SliceLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         logits, index, owned, lse, ent = ctx.saved_tensors
         keep, temperature = ctx.keep, ctx.temperature
-        z = _wide(logits)[..., :keep] if keep is not None else _wide(logits)
-        if temperature != 1.0:
-            z = z / temperature
+        z = _scaled(logits, keep, temperature)
         logp = z - lse.unsqueeze(-1)
         p = logp.exp()
         dz = torch.zeros_like(z)
