@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,27 @@ class SyncStats:
     tensors: int
     bytes: int
     seconds: float
+
+
+def checked_stream(
+    weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]], model: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight stream as given, each pair checked against the generator model's names and
+    shapes before it is passed on: an unknown, repeated, misshapen or (at the end) missing tensor
+    is an error naming it. Both generators take their weights through it."""
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name not in shapes:
+            raise KeyError(f"generator: no parameter {name!r} in the {model} model")
+        if name in seen:
+            raise KeyError(f"generator: {name!r} given twice")
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            raise ValueError(f"generator: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
+        seen.add(name)
+        yield name, tensor
+    missing = sorted(set(shapes) - seen)
+    if missing:
+        raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
 
 
 class HFGenerator:
@@ -83,26 +104,13 @@ class HFGenerator:
         """Copy every (HF name, full tensor) pair into the model; each parameter exactly once, or an
         error naming the first unknown, repeated or missing one. Returns what moved and how long."""
         start = time.perf_counter()
-        seen: set[str] = set()
         count = size = 0
+        shapes = {name: tuple(p.shape) for name, p in self._params.items()}
         with torch.no_grad():
-            for name, tensor in weights:
-                param = self._params.get(name)
-                if param is None:
-                    raise KeyError(f"generator: no parameter {name!r} in the {type(self.model).__name__} model")
-                if name in seen:
-                    raise KeyError(f"generator: {name!r} given twice")
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"generator: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                seen.add(name)
+            for name, tensor in checked_stream(weights, shapes, type(self.model).__name__):
+                self._params[name].copy_(tensor)
                 count += 1
                 size += tensor.numel() * tensor.element_size()
-        missing = sorted(set(self._params) - seen)
-        if missing:
-            raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
         return SyncStats(count, size, time.perf_counter() - start)
 
     @torch.no_grad()

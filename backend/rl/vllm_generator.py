@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .generate import Completion, SyncStats
+from .generate import Completion, SyncStats, checked_stream
 
 
 class VLLMGenerator:
@@ -98,26 +98,13 @@ class VLLMGenerator:
         return cls(worker.hf_config(dtype), vocab_limit=worker.tokenizer.vocab_size, expected=expected, **kwargs)
 
     def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream as given, each pair checked against the model's names and shapes first (an
-        unknown, repeated, misshapen or missing tensor is an error naming it, as HFGenerator's)."""
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if self.expected is not None:
-                if name not in self.expected:
-                    raise KeyError(f"generator: no parameter {name!r} in the vLLM model")
-                if tuple(tensor.shape) != tuple(self.expected[name]):
-                    raise ValueError(
-                        f"generator: {name} has shape {tuple(tensor.shape)}, expected {self.expected[name]}"
-                    )
-            if name in seen:
-                raise KeyError(f"generator: {name!r} given twice")
-            seen.add(name)
+        """The stream checked by ``checked_stream`` (when the model's names and shapes are known),
+        a tied output layer given its own entry on CPU."""
+        pairs = checked_stream(weights, self.expected, "vLLM") if self.expected is not None else weights
+        for name, tensor in pairs:
             yield name, tensor
             if self.tied and self.cpu and name == "model.embed_tokens.weight":
                 yield "lm_head.weight", tensor  # the CPU backend's packed copy (module docstring)
-        if self.expected is not None and set(self.expected) - seen:
-            missing = sorted(set(self.expected) - seen)
-            raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         def load(model):
