@@ -101,7 +101,11 @@ class RowParser:
         append_eod: bool = False,
         fields: RowFields = PASS_THROUGH,
         ignored: Counter | None = None,
+        vocab: int | None = None,
     ):
+        """``vocab``: ids a row's input_ids may hold (default the tokenizer's; an RL worker passes
+        the rows its model's softmax covers, which a sampler may draw past the tokenizer's ids)."""
+        self.vocab = vocab or tokenizer.vocab_size
         self.eod_id = getattr(tokenizer, "eod_id", None)
         if append_eod and self.eod_id is None:
             raise ValueError(f"append_eod needs a tokenizer built with an end-of-document id ({tokenizer.name})")
@@ -127,7 +131,7 @@ class RowParser:
                 for ids, mask in self.chat.render_turns(row["messages"], where)
             ]
         if "input_ids" in row:
-            tokens = _int_list(row["input_ids"], "input_ids", where, tokenizer.vocab_size, self.vocab_hint)
+            tokens = _int_list(row["input_ids"], "input_ids", where, self.vocab, self.vocab_hint)
         elif json_key in row:
             if not isinstance(row[json_key], str):
                 raise DataFormatError(f"{where}: '{json_key}' must be a string")

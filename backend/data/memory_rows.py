@@ -37,6 +37,7 @@ def rows_dataset(
     fields: RowFields = PASS_THROUGH,
     limit: bool = True,
     source: str = "rows",
+    vocab: int | None = None,
 ):
     """The rows as a dataset in the caller's order (``limit``: ``data.max_seq_length`` and
     ``data.overlong`` apply as to a file, each truncation or drop counted in ``.report``).
@@ -47,7 +48,7 @@ def rows_dataset(
         raise DataFormatError(f"{source}: no rows")
     chat = LazyChatRenderer(chat_template_dir(data_cfg.tokenizer))
     ignored: Counter = Counter()
-    parse = RowParser(tokenizer, data_cfg.json_key, chat, fields=fields, ignored=ignored)
+    parse = RowParser(tokenizer, data_cfg.json_key, chat, fields=fields, ignored=ignored, vocab=vocab)
     samples = []
     for i, row in enumerate(rows):
         where = f"{source}[{i}]"

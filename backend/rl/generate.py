@@ -96,7 +96,7 @@ class HFGenerator:
     @classmethod
     def from_worker(cls, worker, **kwargs) -> HFGenerator:
         """A generator for ``worker``'s policy, with its current weights loaded."""
-        gen = cls(worker.hf_config(), vocab_limit=worker.tokenizer.vocab_size, device=worker.env.device, **kwargs)
+        gen = cls(worker.hf_config(), vocab_limit=worker.sampling_vocab, device=worker.env.device, **kwargs)
         gen.load_weights(worker.hf_weights())
         return gen
 

@@ -95,7 +95,7 @@ class VLLMGenerator:
     def from_worker(cls, worker, **kwargs) -> VLLMGenerator:
         dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
         expected = [(name, shape) for name, _, shape in worker.weight_metadata(dtype)]
-        return cls(worker.hf_config(dtype), vocab_limit=worker.tokenizer.vocab_size, expected=expected, **kwargs)
+        return cls(worker.hf_config(dtype), vocab_limit=worker.sampling_vocab, expected=expected, **kwargs)
 
     def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream checked by ``checked_stream`` (when the model's names and shapes are known),

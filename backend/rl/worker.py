@@ -67,13 +67,13 @@ def _rows_digest(dataset) -> str:
     return h.hexdigest()
 
 
-def agreed_rows(rows, tokenizer, data_cfg, *, fields, limit: bool, what: str):
+def agreed_rows(rows, tokenizer, data_cfg, *, fields, limit: bool, what: str, vocab: int | None = None):
     """The rows as a dataset, parsed on every rank and checked to be the same rows everywhere. A
     rank whose rows are refused shares its error in the same exchange, so every rank raises (one
     rank raising while the others wait in a collective would hang)."""
     error, dataset = None, None
     try:
-        dataset = rows_dataset(rows, tokenizer, data_cfg, fields=fields, limit=limit)
+        dataset = rows_dataset(rows, tokenizer, data_cfg, fields=fields, limit=limit, vocab=vocab)
         digest = _rows_digest(dataset)
     except UserError as e:
         error, digest = e, f"error: {e}"
@@ -158,6 +158,22 @@ class TrainerWorker:
         return self.trainer.tokenizer
 
     @property
+    def sampling_vocab(self) -> int | None:
+        """The ids the policy's softmax covers, which a sampler must draw from: the tokenizer's
+        vocabulary when we padded the embedding past it, else None (every row: an imported
+        checkpoint's rows past its tokenizer are in the trainer's softmax, so the sampler keeps
+        them too, or its log-probabilities would differ from the trainer's)."""
+        from backend.model.forward import output_settings
+
+        return output_settings(self.trainer.model).vocab_limit
+
+    @property
+    def row_vocab(self) -> int:
+        """Ids the rows handed in may hold: what the policy's softmax covers (a critic's rows come
+        from the same sampler, so it takes the same rule from its config)."""
+        return self.sampling_vocab or self.cfg.model.vocab_size
+
+    @property
     def resumed_state(self) -> dict | None:
         """The ``state`` given to ``save`` in the checkpoint this worker resumed from (None: a fresh run)."""
         meta = self.trainer.resumed_meta
@@ -170,7 +186,13 @@ class TrainerWorker:
         trainer, cfg, env = self.trainer, self.cfg, self.env
         start = time.perf_counter()
         dataset = agreed_rows(
-            rows, self.tokenizer, cfg.data, fields=row_fields(cfg.loss), limit=True, what="train_step rows"
+            rows,
+            self.tokenizer,
+            cfg.data,
+            fields=row_fields(cfg.loss),
+            limit=True,
+            what="train_step rows",
+            vocab=self.row_vocab,
         )
         data = window_data(
             dataset,
@@ -255,7 +277,9 @@ class PolicyWorker(TrainerWorker):
         ``loss.temperature`` (or ``temperature``). Planned under ``train.forward_max_tokens_per_gpu`` in the configured
         layout and dp x cp."""
         cfg, env = self.cfg, self.env
-        dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows")
+        dataset = agreed_rows(
+            rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="logprobs rows", vocab=self.row_vocab
+        )
         planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         temperature = cfg.loss.temperature if temperature is None else temperature
@@ -297,7 +321,9 @@ class ValueWorker(TrainerWorker):
         ``old_logprobs`` (entry t values the state before token t; entry 0 NaN), in the caller's
         order, on every rank; planned under ``train.forward_max_tokens_per_gpu``."""
         cfg, env = self.cfg, self.env
-        dataset = agreed_rows(rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="values rows")
+        dataset = agreed_rows(
+            rows, self.tokenizer, cfg.data, fields=PASS_THROUGH, limit=False, what="values rows", vocab=self.row_vocab
+        )
         planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         out = compute_values(self.trainer.model, samples, env, planner)

@@ -121,3 +121,32 @@ def test_a_bad_weight_stream_is_refused_naming_the_tensor(trained):
         gen.load_weights([(name, tensor[:-1]), *pairs[1:]])
     stats = gen.load_weights(pairs)  # a complete stream still loads
     assert stats.tensors == len(pairs) and stats.bytes == sum(t.numel() * 4 for _, t in pairs)
+
+
+def test_an_imported_checkpoints_sampler_covers_the_trainers_softmax(world, tmp_path, embedded_cache):
+    """A checkpoint's rows past its tokenizer's ids (Qwen3: 151,936 rows for 151,669 tokens; here
+    300 rows for a 10-id tokenizer) are in the trainer's softmax, as in transformers and vLLM, so the
+    sampler draws from them too: its log-probabilities are the trainer's, not a renormalised subset's."""
+    from tests.conftest import REPO
+    from tests.helpers.hf_tiny import tiny_hf_model
+
+    tiny_hf_model("qwen3", tmp_path / "ckpt", tokenizer=True)
+    worker = PolicyWorker.from_config(
+        str(REPO / "tests" / "configs" / "hf_tiny.yaml"),
+        [
+            f"model.hf_checkpoint={tmp_path / 'ckpt'}",
+            "loss.type=policy",
+            "loss.old_logprobs=detach",
+            f"logger.run_dir={tmp_path / 'run'}",
+        ],
+        env=world,
+    )
+    try:
+        assert worker.sampling_vocab is None and worker.tokenizer.vocab_size < worker.hf_config()["vocab_size"]
+        gen = HFGenerator.from_worker(worker)
+        prompt = worker.tokenizer.encode("hello")
+        out = gen.generate(prompt, 4, 1.0, 8, seed=1)
+        for x, lp in zip(out, worker.logprobs([{"input_ids": prompt + x.token_ids} for x in out])):
+            assert np.max(np.abs(np.asarray(x.logprobs) - lp[len(prompt) :])) <= 2e-6
+    finally:
+        worker.close()
