@@ -11,7 +11,7 @@ for the longest sequence, sort-and-stride (padded), dynamic batching with padded
 packed rows (--compare-weight adds both dynamic layouts planned with attention weight 0). Per arm:
 measured and modelled step time and the measured rank imbalance. Prints a table and, with --json,
 one JSON object (keys: sets -> speedup_vs_mbs1, predicted_speedup, padding_efficiency,
-packed_vs_padded, ..., arms; see the README's Performance section).
+packed_vs_padded, ..., arms; see docs/guides/performance.md).
 
     python tools/bench_train.py --dp 2 --sets longtail4k --compare-weight   # pricing vs imbalance
 """

@@ -25,7 +25,7 @@ LAYOUTS = ("padded", "packed")
 # Attention term of the step-time model, in token-equivalents per token x length: a microbatch's
 # modelled time is cost + attention_weight * area / cp + overhead, where area is rows * L^2
 # (padded) or sum of per-sequence padded lengths squared (packed). 0 (the default) prices tokens
-# only, exactly as before this knob existed; see the README's Pricing section for how to set it.
+# only, exactly as before this knob existed; see docs/guides/dynamic-batching.md (Pricing) for how to set it.
 DEFAULT_ATTENTION_WEIGHT = 0.0
 
 

@@ -1,5 +1,5 @@
 """Load a config: YAML files (with ``defaults:`` inheritance), then dotted overrides, then one
-validation pass. OmegaConf in struct mode rejects unknown keys; every error names the dotted key.
+validation pass. A value written ``???`` is required: the load stops naming the key until it is set. OmegaConf in struct mode rejects unknown keys; every error names the dotted key.
 """
 
 from __future__ import annotations
@@ -97,6 +97,15 @@ def _explicit(layers: list[tuple[str, DictConfig]]) -> set[str]:
     return keys
 
 
+def _required_unset(layers: list[tuple[str, DictConfig]]) -> list[str]:
+    """Keys a layer wrote as ``???`` that no later layer set (merging ``???`` keeps the old value)."""
+    required: set[str] = set()
+    for _, layer in layers:
+        marked = set(OmegaConf.missing_keys(layer))
+        required = (required - (_leaf_keys(layer) - marked)) | marked
+    return sorted(required)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Build the resolved Config (not yet validated against a world size: see ``validate``).
 
@@ -113,6 +122,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:
             raise _explain(e, source) from None
+    missing = _required_unset(layers)  # a recipe's ``???``: the user must say it
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)}: required by {path} (written ??? there); set it on the command line, "
+            f"e.g. {missing[0]}=VALUE"
+        )
     try:
         resolved = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:

@@ -1,5 +1,5 @@
-"""Resolve what a config leaves to be derived: the architecture of ``model.hf_checkpoint`` and
-``data.tokenizer=auto``. Runs once, inside ``load_config``, before validation.
+"""Resolve what a config leaves to be derived: the architecture of ``model.hf_checkpoint``,
+``data.max_seq_length=0`` (the model's context) and ``data.tokenizer=auto``. Runs once, inside ``load_config``, before validation.
 
 With ``model.hf_checkpoint: DIR`` the checkpoint's config.json is the architecture: every model
 key it defines (layers, widths, heads, head_dim, vocabulary, RoPE base and scaling, norm epsilon,
@@ -60,6 +60,13 @@ def resolve(cfg: Config, explicit: set[str]) -> Config:
     """Fill ``cfg`` in place from model.hf_checkpoint and decide data.tokenizer; returns it."""
     if cfg.model.hf_checkpoint:
         _apply_hf_checkpoint(cfg, explicit)
+    if cfg.data.max_seq_length == 0:  # the model's context: a recipe that fits any checkpoint
+        if not cfg.model.max_position_embeddings:
+            raise ConfigError(
+                "data.max_seq_length=0 means the model's context (model.max_position_embeddings), which is not set: "
+                "set data.max_seq_length, or model.hf_checkpoint (its config.json gives it)"
+            )
+        cfg.data.max_seq_length = cfg.model.max_position_embeddings
     if cfg.data.tokenizer == "auto":
         hf_dir = cfg.model.hf_checkpoint
         if not hf_dir:

@@ -52,10 +52,13 @@ class RopeScalingConfig:
     original_max_position_embeddings: int | None = None
     # yarn: the ramp between extrapolated and interpolated dimensions (transformers: 32 and 1).
     beta_fast: float | None = None
+    # yarn: the ramp's other end (transformers: 1).
     beta_slow: float | None = None
     # yarn: cos/sin multiplier; null derives it from factor (and mscale / mscale_all_dim).
     attention_factor: float | None = None
+    # yarn: the DeepSeek-style mscale that derives attention_factor (with mscale_all_dim).
     mscale: float | None = None
+    # yarn: the mscale all dimensions share; attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim).
     mscale_all_dim: float | None = None
     # yarn: round the ramp ends to whole dimensions (transformers' default true).
     truncate: bool | None = None
@@ -88,8 +91,11 @@ class ModelConfig:
     # (every key below that it defines; an explicit key that contradicts it is an error) and the
     # weights. Empty: the architecture below, randomly initialised from train.seed.
     hf_checkpoint: str = ""
+    # Transformer (decoder) layers.
     num_layers: int = 2
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Query heads per attention layer.
     num_attention_heads: int = 4
     # Key/value heads for grouped-query attention; must divide num_attention_heads.
     num_query_groups: int = 2
@@ -111,6 +117,7 @@ class ModelConfig:
     qk_layernorm: bool = True
     # Bias on the query/key/value projections only (Qwen2).
     qkv_bias: bool = False
+    # Standard deviation of the normal initialisation of a model built without a checkpoint.
     init_method_std: float = 0.02
     # auto: te when Transformer Engine imports and CUDA is present, flex on CUDA, sdpa on CPU.
     attention_backend: str = "auto"
@@ -153,6 +160,7 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     # GPT-OSS expert activation: (clamp(up, -L, L) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=L).
     swiglu_limit: float = 7.0
+    # GPT-OSS expert activation: alpha in the formula above.
     swiglu_alpha: float = 1.702
 
 
@@ -191,7 +199,8 @@ class DataConfig:
     tokenizer: str = "auto"
     # The JSONL field holding text (token ids go under "input_ids" instead).
     json_key: str = "text"
-    # Longest sample, in tokens; longer ones follow ``overlong``.
+    # Longest sample, in tokens; longer ones follow ``overlong``. 0: the model's context
+    # (model.max_position_embeddings, from model.hf_checkpoint's config.json), resolved at load.
     max_seq_length: int = 2048
     # error: stop, naming the sample; truncate: cut to max_seq_length; drop: skip. Counted either way.
     overlong: str = "error"
@@ -253,12 +262,14 @@ class TrainConfig:
     eval_interval: int = 0
     # Validation samples evaluated each time, the same ones every time (0 = all).
     eval_samples: int = 0
+    # Seeds the model's initialisation, the data order (the window sampler) and the RL prompt stream.
     seed: int = 1234
     # A step whose loss or gradient norm is not finite (NaN / inf; every rank decides the same):
     # stop ends the run before its update, naming the step, the value and the last good checkpoint
     # (saved then if the interval had not); skip applies no update, counts the step
     # (nonfinite_steps in the metrics) and stops once more than nonfinite_max_skips were skipped.
     nonfinite: str = "stop"
+    # With nonfinite=skip: the run stops once more steps than this were skipped.
     nonfinite_max_skips: int = 10
     # auto: bf16 on CUDA, fp32 on CPU.
     precision: str = "auto"
@@ -266,11 +277,19 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW (torch.optim.AdamW) over the FSDP2-sharded parameters."""
+
+    # Peak learning rate (after warm-up; see scheduler).
     lr: float = 3e-4
+    # The learning rate cosine / linear / wsd decay to.
     min_lr: float = 3e-5
+    # AdamW's decoupled weight decay, on matrices only (norms, biases and other 1-D weights get none).
     weight_decay: float = 0.1
+    # AdamW's first-moment decay.
     adam_beta1: float = 0.9
+    # AdamW's second-moment decay.
     adam_beta2: float = 0.95
+    # AdamW's epsilon, added to the second moment's root.
     adam_eps: float = 1e-8
     # Clip the global gradient norm to this value; 0 turns clipping off.
     clip_grad: float = 1.0
@@ -321,11 +340,19 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
+    """Weights & Biases logging from rank 0; the API key comes from wandb's own login, never this config."""
+
+    # Log the run to wandb (the same numbers as metrics.jsonl); a resumed run continues its wandb run.
     enable: bool = False
+    # The wandb project.
     project: str = "dynbatch"
+    # The wandb team or user; empty: wandb's default.
     entity: str = ""
+    # The run's display name; empty: wandb's generated name.
     name: str = ""
+    # The wandb group the run joins (e.g. one experiment's arms).
     group: str = ""
+    # Tags on the wandb run.
     tags: list[str] = field(default_factory=list)
     # online, offline (no network; sync later) or disabled.
     mode: str = "offline"
@@ -358,10 +385,11 @@ class LossConfig:
     normalised over the whole optimizer window (never per microbatch), so no plan changes it.
     """
 
-    # cross_entropy (default) or policy (rows carry advantages; see the README's RL section).
+    # cross_entropy (default) or policy (rows carry advantages; see docs/guides/policy-loss.md).
     type: str = "cross_entropy"
     # PPO ratio clip: r is clipped to [1 - ratio_clip_low, 1 + ratio_clip_high] (DAPO's clip-higher: high > low).
     ratio_clip_low: float = 0.2
+    # The upper side of that clip (clip-higher when above ratio_clip_low).
     ratio_clip_high: float = 0.2
     # Dual clip (Ye et al. 2020) for negative advantages: pg <= -dual_clip * A; 0 = off, else > 1 (3.0 typical).
     dual_clip: float = 0.0
@@ -443,8 +471,9 @@ class RLConfig:
     advantage: str = "grpo"
     # Divide by the group's standard deviation (GRPO); false centres only (Dr. GRPO).
     scale_rewards: bool = True
-    # gae: the discount and GAE's lambda.
+    # gae: the discount per token.
     gamma: float = 1.0
+    # gae: GAE's lambda (the bias / variance trade-off of the advantage).
     lam: float = 0.95
     # gae: whiten the step's advantages over its response tokens (zero mean, unit variance).
     whiten_advantages: bool = True

@@ -72,7 +72,6 @@ _POSITIVE = (
     "parallel.context_parallel_size",
     "parallel.expert_parallel_size",
     "parallel.tensor_parallel_size",
-    "data.max_seq_length",
     "train.global_batch_size",
     "train.micro_batch_size",
     "train.dynamic_batch_pad_to_multiple",
@@ -85,6 +84,7 @@ _POSITIVE = (
     "rl.critic_steps_per_step",
 )
 _NON_NEGATIVE = (
+    "data.max_seq_length",  # 0 is resolved to the model's context before validation (resolve.py)
     "model.logits_chunk_tokens",
     "train.nonfinite_max_skips",
     "model.ffn_hidden_size",
@@ -284,7 +284,7 @@ def _loss_errors(cfg: Config, from_memory: bool = False) -> list[str]:
     if cfg.data.path == "embedded":
         errors.append(
             "data.path=embedded: loss.type=policy trains on rollouts whose rows carry advantages (and old/ref "
-            "log-probabilities); point data.path at such a JSONL file or .bin/.idx prefix (README: RL)"
+            "log-probabilities); point data.path at such a JSONL file or .bin/.idx prefix (docs/guides/policy-loss.md)"
         )
     if cfg.data.append_eod:
         errors.append(
@@ -308,6 +308,8 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         if get(cfg, key) < 0:
             errors.append(f"{key}={get(cfg, key)}: must be >= 0")
     m, t, o = cfg.model, cfg.train, cfg.optimizer
+    if cfg.data.max_seq_length == 0:  # a config that did not come through load_config's resolution
+        errors.append("data.max_seq_length=0: the model's context was not resolved; set data.max_seq_length >= 1")
     if not m.head_dim and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         errors.append(
             f"model.hidden_size={m.hidden_size}: must be divisible by model.num_attention_heads={m.num_attention_heads}"

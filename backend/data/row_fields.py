@@ -71,7 +71,7 @@ def refusal(name: str, fields: RowFields) -> str:
     kind, loss = ("a value-loss", "value") if name in VALUE_FIELDS else ("a policy-gradient", "policy")
     return (
         f"'{name}' is {kind} field, but {fields.why} would ignore it: set loss.type={loss} "
-        f"(README: RL) or remove the field"
+        f"(docs/guides/policy-loss.md) or remove the field"
     )
 
 

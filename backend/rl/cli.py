@@ -30,7 +30,7 @@ def build_generator(worker):
     from .generate import HFGenerator
 
     return HFGenerator(
-        worker.hf_config(), vocab_limit=worker.tokenizer.vocab_size, stop_token_ids=stops, device=worker.env.device
+        worker.hf_config(), vocab_limit=worker.sampling_vocab, stop_token_ids=stops, device=worker.env.device
     )
 
 
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.rl", description=__doc__)
     parser.add_argument("config", help="YAML config file (see configs/grpo_demo.yaml)")
     parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, applied in order")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        from backend.train.cli import print_resolved
+
+        return run_main(lambda: print_resolved(cfg))
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

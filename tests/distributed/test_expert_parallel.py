@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from backend.distributed.launch import torchrun_command
+from backend.logging.metric_keys import undocumented
 from tests.conftest import REPO
 from tests.helpers.subprocess_env import subprocess_env
 
@@ -149,7 +150,9 @@ def _train(run_dir, hf_dir, cache, *extra, nproc=2):
 
 
 def _steps(run_dir) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert not undocumented(rows), undocumented(rows)  # every metric in docs/reference/metrics.md
+    return rows
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from backend.distributed.launch import torchrun_command
 from tests.conftest import REPO, TINY
 from tests.helpers.wandb_reader import history
 
-# Every metrics.jsonl row holds at least these keys (the contract in the README's Metrics section).
+# Every metrics.jsonl row holds at least these keys (the contract in docs/reference/metrics.md).
 REQUIRED_KEYS = (
     "step",
     "loss",

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from backend.config import load_config, validate
+from backend.logging.metric_keys import undocumented
 from backend.train.trainer import Trainer
 from tests.conftest import TINY
 
@@ -22,4 +23,5 @@ def train_in_process(world, run_dir: Path, overrides: list[str]) -> tuple[list[d
     for lock in trainer.locks:
         lock.release()
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert not undocumented(rows), f"metrics without a meaning in backend/logging/metric_keys.py: {undocumented(rows)}"
     return rows, trainer

@@ -54,3 +54,55 @@ def test_grpo_recipe_is_packed_policy_training_with_a_reference():
     assert (loss.type, loss.kl_estimator, loss.old_logprobs) == ("policy", "k3", "recompute")
     assert loss.ratio_clip_high > loss.ratio_clip_low and loss.kl_coef > 0 and loss.reference_checkpoint
     assert cfg.checkpoint.interval % loss.minibatches_per_rollout == 0
+
+
+def test_finetune_recipe_sets_no_architecture_and_trains_a_tiny_checkpoint(world, tmp_path, embedded_cache):
+    """configs/finetune_hf.yaml fits any checkpoint: its config.json gives the architecture and the
+    context (data.max_seq_length: 0), its tokenizer reads text and chat rows; 2 steps train."""
+    import json
+
+    import yaml
+
+    from backend.config.resolve import ARCHITECTURE_KEYS
+    from backend.train.trainer import Trainer
+    from tests.helpers.hf_tiny import COMMON, tiny_hf_model
+
+    recipe = REPO / "configs" / "finetune_hf.yaml"
+    assert not set(yaml.safe_load(recipe.read_text())["model"]) & set(ARCHITECTURE_KEYS)
+    tiny_hf_model("llama", tmp_path / "ckpt", tokenizer=True)
+    data = tmp_path / "train.jsonl"
+    with data.open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({"text": f"row {i} " * (1 + i % 5)}) + "\n")
+        for i in range(8):
+            chat = [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]
+            f.write(json.dumps({"messages": chat}) + "\n")
+    overrides = [
+        f"model.hf_checkpoint={tmp_path / 'ckpt'}",
+        f"data.path={data}",
+        f"data.cache_dir={embedded_cache}",
+        f"logger.run_dir={tmp_path / 'run'}",
+        "logger.log_interval=1000",
+    ]
+    cfg = validate(load_config(recipe, overrides))
+    assert cfg.data.max_seq_length == COMMON["max_position_embeddings"]  # the checkpoint's context
+    assert cfg.model.hidden_size == COMMON["hidden_size"] and cfg.train.train_iters == 2
+    trainer = Trainer(cfg, world)
+    try:
+        assert trainer.train() == "finished"
+    finally:
+        trainer.metrics.close()
+        for lock in trainer.locks:
+            lock.release()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["loss"] > 0 for r in steps)
+
+
+def test_a_required_recipe_key_is_named_until_set():
+    from backend.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"model.hf_checkpoint: required by .*finetune_hf.yaml \(written \?\?\? there\)"
+    ):
+        load_config(REPO / "configs" / "finetune_hf.yaml")

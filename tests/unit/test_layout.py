@@ -312,12 +312,12 @@ KEPT_TOOL_PATHS = (
 
 def test_tools_are_grouped_by_kind():
     """At most 11 files directly in tools/ (user commands, the set-up, bench_train), the rest in
-    bench/, plot/, env/ and slurm/; no script patches sys.path (the package is installed)."""
+    bench/, plot/, env/, slurm/ and docs/; no script patches sys.path (the package is installed)."""
     tools = REPO / "tools"
     top = sorted(p.name for p in tools.iterdir() if p.is_file())
     assert len(top) <= 11, top
     folders = {p.name for p in tools.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
-    assert folders <= {"bench", "plot", "env", "slurm"}, folders
+    assert folders <= {"bench", "plot", "env", "slurm", "docs"}, folders
     for kept in KEPT_TOOL_PATHS:
         assert (tools / kept).is_file(), kept
     patched = [str(p.relative_to(REPO)) for p in tools.rglob("*.py") if "sys.path" in p.read_text(encoding="utf-8")]

@@ -1,4 +1,4 @@
-"""The planner's contract (the README's "What it guarantees" and "Pricing") as properties over random windows."""
+"""The planner's contract (docs/guides/dynamic-batching.md's "What it guarantees" and "Pricing") as properties over random windows."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import pytest
 
 from backend.config import ConfigError
 from backend.data.errors import DataFormatError
+from backend.logging.metric_keys import undocumented
 from backend.logging.metrics import read_metrics
 from backend.rl import PolicyWorker
 from backend.rl.advantages import group_advantages, zero_variance_share
@@ -206,7 +207,10 @@ def _demo(tmp_path: Path, *overrides) -> list[dict]:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_metrics(run / "metrics.jsonl")[0]
+    rows = read_metrics(run / "metrics.jsonl")[0]
+    critic = read_metrics(run / "critic" / "metrics.jsonl")[0]
+    assert not undocumented(rows + critic), undocumented(rows + critic)  # every metric in docs/reference/metrics.md
+    return rows
 
 
 @pytest.mark.distributed
