@@ -103,7 +103,11 @@ def load_model_weights(model, step_dir: str | Path) -> None:
     set_model_state_dict(model, model_sd)
 
 
-def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int) -> Path:
+def save_checkpoint(
+    ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int, files: dict | None = None
+) -> Path:
+    """``files``: name -> bytes that rank 0 writes into the step directory beside the state (a
+    caller's own data, digested and checked on load like every other file)."""
     root = Path(ckpt_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
@@ -119,6 +123,9 @@ def save_checkpoint(ckpt_dir, step: int, model, optimizer, scheduler, *, env, ex
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
     torch.save(rng, tmp / f"rng_rank{env.rank}.pt")
+    if env.is_main:
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
     world = env.group("world")
     dist.barrier(group=world)  # every rank's files are written: hash them, a share each
     names = step_files(tmp)

@@ -484,6 +484,11 @@ class RLConfig:
     critic_overrides: list[str] = field(default_factory=list)
     # hf: a transformers model in this process; vllm: a vLLM engine in this process (extra "vllm", CUDA).
     generator: str = "hf"
+    # Asynchronous RL: 0 is the loop above (generate, score, train, sync in turn). k >= 1 runs the
+    # generator (hf) in a process of its own, fed weights over a torch.distributed group, k steps
+    # ahead: step t trains rollouts sampled with weight version t - k - 1 (a lag of exactly k, never
+    # more) while the generator samples the next step's; see docs/guides/async-rl.md.
+    max_staleness: int = 0
 
 
 @dataclass

@@ -111,6 +111,7 @@ _NON_NEGATIVE = (
     "loss.value_clip",
     "loss.ratio_clip_low",
     "loss.ratio_clip_high",
+    "rl.max_staleness",
 )
 
 
@@ -344,6 +345,11 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     for key in ("rl.gamma", "rl.lam"):
         if not 0 <= get(cfg, key) <= 1:
             errors.append(f"{key}={get(cfg, key)}: must be in [0, 1]")
+    if cfg.rl.max_staleness > 0 and cfg.rl.generator != "hf":
+        errors.append(
+            f"rl.max_staleness={cfg.rl.max_staleness}: the asynchronous loop runs rl.generator=hf in its own process; "
+            f"rl.generator={cfg.rl.generator} is colocated only (set rl.generator=hf or rl.max_staleness=0)"
+        )
     if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
         errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
     if not 0 <= cfg.data.valid_fraction < 1:

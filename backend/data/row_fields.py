@@ -20,7 +20,9 @@ from .errors import DataFormatError
 from .sample import POLICY_FIELDS
 
 # Row keys every run understands (the token source and the loss mask / weight).
-BASE_KEYS = ("text", "input_ids", "messages", "loss_mask", "loss_weight")
+# weight_version: the policy version an asynchronous loop's rollout was sampled with (metadata,
+# read by nothing; backend/rl/async_loop.py).
+BASE_KEYS = ("text", "input_ids", "messages", "loss_mask", "loss_weight", "weight_version")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("grad_norm", "L2 norm", "global gradient norm before clipping (optimizer.clip_grad)"),
         ("lr", "learning rate", "learning rate this step used"),
         ("tokens", "tokens", "real (unpadded) tokens the step trained on, all ranks"),
+        ("loss_tokens", "tokens", "tokens the loss counts (loss_mask 1): the window's denominator, all ranks"),
         ("padded_tokens", "tokens", "tokens the step computed, padding included, all ranks"),
         ("padding_efficiency", "fraction", "tokens / padded_tokens over all ranks (1.0 = no padding)"),
         ("padding_efficiency_min_rank", "fraction", "the worst rank's padding efficiency"),
@@ -107,6 +108,7 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("generated_tokens", "tokens", "response tokens generated this step"),
         ("generate_s", "seconds", "generation time"),
         ("generate_tokens_per_s", "tokens / second", "generated_tokens / generate_s"),
+        ("reward_s", "seconds", "scoring this rank's responses with rl.reward"),
         ("logprobs_s", "seconds", "the trainer's forward-only log-probabilities of the rollouts (loss.old_logprobs)"),
         ("weight_sync_s", "seconds", "streaming the trained weights into the generator"),
         ("weight_sync_bytes", "bytes", "bytes streamed into the generator"),
@@ -115,6 +117,12 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
             "nats",
             "after a sync: largest |generator - trainer| log-probability of a probe sequence",
         ),
+    ],
+    "Asynchronous RL (rl.max_staleness >= 1)": [
+        ("staleness_max", "versions", "most optimizer steps the trained rows' sampling weights lag the policy"),
+        ("staleness_mean", "versions", "mean lag of the trained rows' sampling weights (<= rl.max_staleness)"),
+        ("trainer_idle_s", "seconds", "time the trainer waited for the generator process since the last step row"),
+        ("generator_idle_s", "seconds", "time the generator process waited for this step's request"),
     ],
     "Mixture of experts": [
         ("moe_aux_loss", "ratio", "per-sample load-balancing loss, averaged over samples and layers (1.0 = balanced)"),

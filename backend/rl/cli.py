@@ -19,10 +19,15 @@ EXIT_INTERRUPTED = 130
 
 
 def build_generator(worker):
-    """The generator ``rl.generator`` names, holding the worker's current weights."""
+    """The generator ``rl.generator`` names, holding the worker's current weights; with
+    ``rl.max_staleness`` >= 1 a generator process started by rank 0 (None on the other ranks)."""
     from .loop import stop_token_ids
 
     stops = stop_token_ids(worker.cfg, worker.tokenizer)
+    if worker.cfg.rl.max_staleness > 0:
+        from .remote_generator import RemoteGenerator
+
+        return RemoteGenerator.from_worker(worker, stop_token_ids=stops) if worker.env.is_main else None
     if worker.cfg.rl.generator == "vllm":
         from .vllm_generator import VLLMGenerator
 
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         from backend.distributed.setup import init_from_config, shutdown_distributed
         from backend.logging.wandb_run import start_wandb
 
+        from .async_loop import AsyncGRPOLoop
         from .loop import GRPOLoop
         from .worker import PolicyWorker
 
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             worker = PolicyWorker.from_config(args.config, args.overrides, env=env)
             critic = build_critic(args.config, args.overrides, worker, env) if cfg.rl.advantage == "gae" else None
             generator = build_generator(worker)
-            loop = GRPOLoop(worker, generator, critic)
+            loop = (AsyncGRPOLoop if cfg.rl.max_staleness > 0 else GRPOLoop)(worker, generator, critic)
             wandb_run = start_wandb(worker.cfg, env, run_id=worker.trainer.wandb_run_id)
             worker.trainer.attach_wandb(wandb_run)
             outcome = loop.run()

@@ -120,6 +120,13 @@ class GRPOLoop:
         state = worker.resumed_state
         if state is not None:  # the prompt stream's position at the checkpoint this run resumed from
             source = f"the checkpoint of step {worker.step}"
+            held = (state.get("async") or {}).get("steps")
+            if held and rl.max_staleness == 0:
+                raise ConfigError(
+                    f"rl.max_staleness=0: {source} holds rollouts of the next {len(held)} step(s), sampled for "
+                    f"rl.max_staleness={state['async'].get('max_staleness')}; resume with that value (the synchronous "
+                    f"loop would drop their prompts)"
+                )
             try:
                 self.sampler.load_state_dict(check_sampler_state(state.get("prompts"), source, "caller_state.prompts"))
             except DataStreamError as e:
@@ -165,7 +172,6 @@ class GRPOLoop:
         """This step's rows (every rank the same) and the loop's metrics of them."""
         rl, env = self.cfg.rl, self.worker.env
         ids = self.sampler.next_window()
-        mine: dict[int, tuple[list, list[float]]] = {}
         error = None
         start = time.perf_counter()
         slots = list(range(env.rank, len(ids), env.world_size))
@@ -182,6 +188,15 @@ class GRPOLoop:
             where = ", ".join(p.where for p in prompts[:3]) + (", ..." if len(prompts) > 3 else "")
             error = ("generate", f"generating for {where} on rank {env.rank}: {type(e).__name__}: {e}")
             batches = []
+        return self.scored_rows(step, ids, slots, batches, error, time.perf_counter() - start)
+
+    def scored_rows(self, step, ids, slots, batches, error, generate_s: float) -> tuple[list[dict], dict]:
+        """Score this rank's ``slots`` (their ``batches`` of completions), gather every rank's, and
+        build the step's rows and metrics (any rank's ``error`` raised on every rank)."""
+        rl, env = self.cfg.rl, self.worker.env
+        mine: dict[int, tuple[list, list[float]]] = {}
+        prompts = [self.prompts[int(ids[slot])] for slot in slots]
+        start = time.perf_counter()
         for slot, prompt, completions in zip(slots, prompts, batches):
             rewards = []
             try:
@@ -203,7 +218,7 @@ class GRPOLoop:
                 error = ("reward", str(e))
                 break
             mine[slot] = ([(c.token_ids, c.logprobs, c.stopped) for c in completions], rewards)
-        generate_s = time.perf_counter() - start
+        reward_s = time.perf_counter() - start
         parts = all_gather_objects((mine, error), group=env.group("world")) if env.world_size > 1 else [(mine, error)]
         errors = [e for _, e in parts if e]
         if errors:
@@ -244,6 +259,7 @@ class GRPOLoop:
             "generated_tokens": generated,
             "generate_s": generate_s,
             "generate_tokens_per_s": generated / max(generate_s, 1e-9),
+            "reward_s": reward_s,
         }
         # rl.advantage's estimator writes each row's advantages (gae: from the critic's values,
         # whose own rows it returns, popped by step)
@@ -256,8 +272,15 @@ class GRPOLoop:
         worker = self.worker
         if self.last_sync is None:  # the generator takes the built or resumed weights before the first step
             self.sync_weights()
-        step = worker.step + 1
-        rows, metrics = self.rollouts(step)
+        rows, metrics = self.rollouts(worker.step + 1)
+        row = self.train_rows(rows, metrics)
+        self.sync_weights()  # reported in the next step's row: the weights that step samples with
+        return row
+
+    def train_rows(self, rows: list[dict], metrics: dict) -> dict:
+        """Log-probabilities, the critic's steps and the policy's optimizer step on the step's rows;
+        returns the step's metrics row."""
+        worker = self.worker
         critic_rows = metrics.pop("_critic_rows")
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
@@ -276,9 +299,7 @@ class GRPOLoop:
             metrics["critic_s"] = time.perf_counter() - start
             for key in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean", "explained_variance"):
                 metrics[key] = critic_row[key]
-        row = worker.train_step(rows, extra_metrics=metrics)
-        self.sync_weights()  # reported in the next step's row: the weights that step samples with
-        return row
+        return worker.train_step(rows, extra_metrics=metrics)
 
     def state(self) -> dict:
         return {"prompts": {"sampler": self.sampler.state_dict()}}

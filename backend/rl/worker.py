@@ -224,11 +224,12 @@ class TrainerWorker:
                 trainer.step -= 1
             raise  # after the update (logging, the memory check): the step counts, as it was applied
 
-    def save(self, state: dict | None = None) -> Path:
+    def save(self, state: dict | None = None, files: dict | None = None) -> Path:
         """A checkpoint of the current step that ``python -m backend.train`` and ``from_config``
         resume; ``state`` (JSON-serialisable: a loop's prompt stream position) comes back as
-        ``resumed_state``."""
-        return self.trainer.save(state)
+        ``resumed_state``; ``files`` (name -> bytes) are written beside it, read back by
+        ``trainer.resumed_file``."""
+        return self.trainer.save(state, files)
 
     def close(self) -> None:
         """Flush the metrics, release the run directory, and leave the world if this worker joined it."""

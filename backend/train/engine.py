@@ -447,10 +447,11 @@ class Engine:
         interval = self.cfg.checkpoint.interval
         return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters
 
-    def save(self, state: dict | None = None) -> Path:
+    def save(self, state: dict | None = None, files: dict | None = None) -> Path:
         """A checkpoint of this step. ``state``: the caller's own resumable state (JSON), stored as
         ``meta.json``'s ``caller_state`` (the RL loop's prompt stream); a run fed from memory has no
-        data-stream position (``data`` null: the CLI resuming it starts data.path from the start)."""
+        data-stream position (``data`` null: the CLI resuming it starts data.path from the start).
+        ``files``: name -> bytes written beside it (``resumed_file`` reads them back)."""
         extra = {
             "data": self.stream_state(),
             "wandb_run_id": self.wandb_run_id,
@@ -468,5 +469,16 @@ class Engine:
             env=self.env,
             extra=extra,
             keep_last=self.cfg.checkpoint.keep_last,
+            files=files,
         )
         return self.last_checkpoint
+
+    def resumed_file(self, name: str, limit: int) -> bytes | None:
+        """A file ``save(files=...)`` wrote into the checkpoint this run resumed from (digested on
+        load like the rest), read as untrusted input up to ``limit`` bytes; None if absent."""
+        from backend.checkpoint.files import read_regular
+
+        if self.resumed_meta is None:
+            return None
+        path = Path(self.ckpt_dir) / f"step_{self.resumed_meta['step']:08d}" / name
+        return read_regular(path, limit) if path.exists() else None
