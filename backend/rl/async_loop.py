@@ -47,6 +47,7 @@ import torch
 
 from backend.config import ConfigError
 from backend.distributed.collectives import all_gather_objects, dist_any
+from backend.errors import CheckpointError
 
 from .generate import Completion
 from .loop import SYNC_TOLERANCE, GRPOLoop, sampling_seed
@@ -99,7 +100,7 @@ class AsyncGRPOLoop(GRPOLoop):
 
     def _restore(self, worker) -> None:
         state = (worker.resumed_state or {}).get("async")
-        if not state:
+        if not state or not state.get("steps"):  # nothing held: any k continues from here
             return
         if state.get("max_staleness") != self.k:
             raise ConfigError(
@@ -109,7 +110,10 @@ class AsyncGRPOLoop(GRPOLoop):
             )
         data = worker.trainer.resumed_file(ROLLOUTS_FILE, MAX_ROLLOUTS_BYTES)
         if data is None:
-            raise ConfigError(f"the checkpoint of step {worker.step} names {ROLLOUTS_FILE} but holds no such file")
+            raise CheckpointError(
+                f"the checkpoint of step {worker.step} ({worker.trainer.ckpt_dir}) names {ROLLOUTS_FILE} but holds no "
+                "such file"
+            )
         items = json.loads(data)
         self.ready = {int(t): item for t, item in items.items()}
         if worker.env.is_main:
@@ -125,10 +129,12 @@ class AsyncGRPOLoop(GRPOLoop):
         env = self.worker.env
         if env.world_size == 1:
             return
-        while not dist_any(
-            self.generator is not None and self.generator.has_reply(1.0), env.device, group=env.group("world")
-        ):
+        while not dist_any(self._has_reply(), env.device, group=env.group("world")):
             pass
+
+    def _has_reply(self) -> bool:
+        """Rank 0: a reply (or a failed request) is there to act on; the other ranks: False."""
+        return self.generator is not None and (self.submit_error is not None or self.generator.has_reply(1.0))
 
     def _submit_through(self, last: int) -> None:
         """Draw the prompts of every step up to ``last`` not drawn yet (every rank: the same ids)
@@ -151,9 +157,8 @@ class AsyncGRPOLoop(GRPOLoop):
         start = time.perf_counter()
         env = self.worker.env
         for _ in [t for t in sorted(self.requested) if t <= through]:
+            self._agreed_wait()
             got, error = None, self.submit_error
-            if error is None:
-                self._agreed_wait()
             if self.generator is not None and error is None:
                 try:
                     got = self.generator.receive()
