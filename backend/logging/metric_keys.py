@@ -96,6 +96,11 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("critic_s", "seconds", "the critic's optimizer steps of the loop step"),
     ],
     "The RL loop (python -m backend.rl)": [
+        (
+            "loop_step_s",
+            "seconds",
+            "wall time of the loop step, from the previous step row to this one (sync, generation, scoring, training)",
+        ),
         ("reward_mean", "reward", "mean reward of the step's responses"),
         ("reward_std", "reward", "standard deviation of the rewards"),
         ("reward_min", "reward", "smallest reward"),

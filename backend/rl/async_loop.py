@@ -188,6 +188,7 @@ class AsyncGRPOLoop(GRPOLoop):
 
     def _step(self) -> dict:
         worker = self.worker
+        self.mark_start()
         if self.last_sync is None:  # the generator takes the built or resumed weights first
             self.sync_weights()
         step = worker.step + 1

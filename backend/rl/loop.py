@@ -37,6 +37,7 @@ from backend.config import ConfigError
 from backend.data.errors import DataStreamError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
+from backend.train.engine import LOOP_STARTED
 from backend.train.run_loop import run_steps
 
 from .advantages import build_advantage, zero_variance_share
@@ -270,6 +271,7 @@ class GRPOLoop:
     def step(self) -> dict:
         """One loop step (see the module docstring); returns the step's metrics row."""
         worker = self.worker
+        self.mark_start()
         if self.last_sync is None:  # the generator takes the built or resumed weights before the first step
             self.sync_weights()
         rows, metrics = self.rollouts(worker.step + 1)
@@ -282,6 +284,7 @@ class GRPOLoop:
         returns the step's metrics row."""
         worker = self.worker
         critic_rows = metrics.pop("_critic_rows")
+        metrics[LOOP_STARTED] = self.step_started
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
             for row, lp in zip(rows, worker.logprobs(rows)):
@@ -299,7 +302,14 @@ class GRPOLoop:
             metrics["critic_s"] = time.perf_counter() - start
             for key in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean", "explained_variance"):
                 metrics[key] = critic_row[key]
-        return worker.train_step(rows, extra_metrics=metrics)
+        row = worker.train_step(rows, extra_metrics=metrics)
+        self.step_started = time.perf_counter()  # the next step's wall time counts from this row on
+        return row
+
+    def mark_start(self) -> None:
+        """The first step's wall time counts from its call (later ones from the previous row)."""
+        if getattr(self, "step_started", None) is None:
+            self.step_started = time.perf_counter()
 
     def state(self) -> dict:
         return {"prompts": {"sampler": self.sampler.state_dict()}}

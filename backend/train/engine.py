@@ -46,6 +46,10 @@ from .step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
 
+#: An ``extra`` key of ``train_window``: the ``time.perf_counter()`` at which the driver's step began;
+#: the row then holds ``loop_step_s``, the step's whole wall time up to its row.
+LOOP_STARTED = "_loop_started"
+
 
 def describe_experts(num_experts: int, env) -> str | None:
     """The start-up summary's experts line (None for a dense model): how many a rank computes with."""
@@ -439,7 +443,11 @@ class Engine:
         metrics["oversampling_factor"] = self.oversampling
         if report is not None:
             metrics.update(report.as_dict())
-        metrics.update(extra or {})
+        extra = dict(extra or {})
+        started = extra.pop(LOOP_STARTED, None)  # a driver's step began there (the RL loop's previous row)
+        metrics.update(extra)
+        if started is not None:
+            metrics["loop_step_s"] = time.perf_counter() - started
         self.metrics.log(metrics)
         return metrics
 
