@@ -55,16 +55,16 @@ def cluster(tmp_path_factory):
         subprocess.run([str(CLUSTER), "stop", str(root)], capture_output=True, timeout=120)
 
 
-def submit(env, out_dir: Path, sbatch_args: list[str], overrides: list[str]) -> str:
+def submit(env, out_dir: Path, sbatch_args: list[str], overrides: list[str], *, config=TINY, entry="") -> str:
     cmd = [
         "sbatch",
         "--parsable",
         f"--output={out_dir}/slurm-%j.out",
         f"--chdir={REPO}",
-        f"--export=ALL,PYTHON={sys.executable},NPROC_PER_NODE=1",
+        f"--export=ALL,PYTHON={sys.executable},NPROC_PER_NODE=1" + (f",ENTRY={entry}" if entry else ""),
         *sbatch_args,
         str(SCRIPT),
-        TINY,
+        str(config),
         *overrides,
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -131,6 +131,30 @@ def test_preemption_signal_saves_requeues_and_resumes(cluster, tmp_path, embedde
     assert int(job_field(env, job, "Restarts") or 0) >= 1
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 13)), "the resumed job continues the same step sequence with no gap or repeat"
+
+
+def test_the_asynchronous_rl_loop_runs_as_one_two_node_job(cluster, tmp_path):
+    """ENTRY=backend.rl: the GRPO loop over both nodes with rl.max_staleness=1, its generator
+    process started by rank 0 inside the job; every row one version behind after the first."""
+    _, env = cluster
+    run = tmp_path / "run"
+    demo = REPO / "configs" / "grpo_demo.yaml"
+    job = submit(
+        env,
+        tmp_path,
+        ["-N", "2"],
+        [f"logger.run_dir={run}", "train.train_iters=3", "rl.max_staleness=1"],
+        config=demo,
+        entry="backend.rl",
+    )
+    state = wait_state(env, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["sync_probe_max_abs_diff"] <= 1e-3 for r in rows)
+    world = json.loads((run / "world.json").read_text())
+    assert {w["slurm_node_id"] for w in world} == {"0", "1"} and {w["slurm_job_id"] for w in world} == {job}
 
 
 def test_a_world_that_disagrees_with_the_config_is_refused_before_launch(cluster, tmp_path):
