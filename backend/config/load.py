@@ -1,5 +1,6 @@
 """Load a config: YAML files (with ``defaults:`` inheritance), then dotted overrides, then one
-validation pass. A value written ``???`` is required: the load stops naming the key until it is set. OmegaConf in struct mode rejects unknown keys; every error names the dotted key.
+validation pass. A value written ``???`` is required: the load stops naming the key until it is
+set. OmegaConf in struct mode rejects unknown keys; every error names the dotted key.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Resolve what a config leaves to be derived: the architecture of ``model.hf_checkpoint``,
-``data.max_seq_length=0`` (the model's context) and ``data.tokenizer=auto``. Runs once, inside ``load_config``, before validation.
+``data.max_seq_length=0`` (the model's context) and ``data.tokenizer=auto``. Runs once, inside
+``load_config``, before validation.
 
 With ``model.hf_checkpoint: DIR`` the checkpoint's config.json is the architecture: every model
 key it defines (layers, widths, heads, head_dim, vocabulary, RoPE base and scaling, norm epsilon,

@@ -37,7 +37,6 @@ from backend.config import ConfigError
 from backend.data.errors import DataStreamError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
-from backend.train.engine import LOOP_STARTED
 from backend.train.run_loop import run_steps
 
 from .advantages import build_advantage, zero_variance_share
@@ -141,6 +140,7 @@ class GRPOLoop:
                 "backend.train or worker.save() without a state): the prompts start again from the beginning",
                 worker.step,
             )
+        self.step_started: float | None = None  # perf_counter where the next step's wall time starts
         self.last_sync = None  # SyncStats of the load that gave the generator its current weights
         self.last_probe_diff = None  # check_sync of that load (engines that keep their own copy)
 
@@ -157,7 +157,7 @@ class GRPOLoop:
         sequence (the first prompt and a fixed continuation); over ``SYNC_TOLERANCE`` the sync left
         the engine on other weights than the trainer's: an error, never a silently stale sampler."""
         probe = list(self.prompts[0].token_ids) + [int(t) for t in self.prompts[0].token_ids[:8]]
-        mine = np.asarray(self.generator.probe_logprobs(probe), dtype=np.float64)
+        mine = np.asarray(self.generator_probe(probe), dtype=np.float64)
         theirs = self.worker.logprobs([{"input_ids": probe}], temperature=1.0)[0][1:].astype(np.float64)
         diff = float(np.max(np.abs(mine - theirs)))
         tolerance = SYNC_TOLERANCE[self.cfg.train.precision == "bf16" or self.worker.env.device.type == "cuda"]
@@ -168,6 +168,10 @@ class GRPOLoop:
                 "trainer's weights"
             )
         return diff
+
+    def generator_probe(self, probe: list[int]) -> list[float]:
+        """The generator's log-probabilities of ``probe[1:]`` (every rank has its own generator here)."""
+        return self.generator.probe_logprobs(probe)
 
     def rollouts(self, step: int) -> tuple[list[dict], dict]:
         """This step's rows (every rank the same) and the loop's metrics of them."""
@@ -284,7 +288,6 @@ class GRPOLoop:
         returns the step's metrics row."""
         worker = self.worker
         critic_rows = metrics.pop("_critic_rows")
-        metrics[LOOP_STARTED] = self.step_started
         start = time.perf_counter()
         if self.cfg.loss.type == "policy" and self.cfg.loss.old_logprobs == "data":
             for row, lp in zip(rows, worker.logprobs(rows)):
@@ -302,13 +305,13 @@ class GRPOLoop:
             metrics["critic_s"] = time.perf_counter() - start
             for key in ("vf_loss", "vf_clipfrac", "value_mean", "return_mean", "explained_variance"):
                 metrics[key] = critic_row[key]
-        row = worker.train_step(rows, extra_metrics=metrics)
+        row = worker.train_step(rows, extra_metrics=metrics, started=self.step_started)
         self.step_started = time.perf_counter()  # the next step's wall time counts from this row on
         return row
 
     def mark_start(self) -> None:
         """The first step's wall time counts from its call (later ones from the previous row)."""
-        if getattr(self, "step_started", None) is None:
+        if self.step_started is None:
             self.step_started = time.perf_counter()
 
     def state(self) -> dict:

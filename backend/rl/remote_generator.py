@@ -62,7 +62,11 @@ def buckets(metadata: Sequence[tuple[str, torch.dtype, tuple]], limit: int = BUC
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def _bucket_bytes(plan, metadata) -> list[int]:
+    return [sum(_nbytes(metadata[i][1], metadata[i][2]) for i in bucket) for bucket in plan]
 
 
 def _free_port() -> int:
@@ -110,6 +114,7 @@ class RemoteGenerator:
     ):
         self.metadata = [(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
         self.plan = buckets(self.metadata)
+        self.sizes = _bucket_bytes(self.plan, self.metadata)
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -171,12 +176,10 @@ class RemoteGenerator:
         start = time.perf_counter()
         self.conn.send(("weights", version))
         expected = iter(self.metadata)
-        buffer, count, size = None, 0, 0
+        buffer = torch.empty(max(self.sizes, default=0), dtype=torch.uint8)  # gloo: host memory
+        count = size = 0
         stream = iter(weights)
-        for bucket in self.plan:
-            total = sum(_nbytes(self.metadata[i][1], self.metadata[i][2]) for i in bucket)
-            if buffer is None or buffer.numel() < total:
-                buffer = torch.empty(total, dtype=torch.uint8)  # gloo: host memory
+        for bucket, total in zip(self.plan, self.sizes):
             offset = 0
             for _ in bucket:
                 name, tensor = next(stream)
@@ -277,6 +280,7 @@ def _child_main(conn, spec: dict) -> None:
     conn.send(("ready",))
     store, group = _group(spec["port"], 1)
     plan = buckets(metadata)
+    buffer = torch.empty(max(_bucket_bytes(plan, metadata), default=0), dtype=torch.uint8)  # reused each sync
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(conn, inbox), daemon=True).start()
     version, idle = None, 0.0
@@ -289,7 +293,7 @@ def _child_main(conn, spec: dict) -> None:
             if kind == "close":
                 return
             if kind == "weights":
-                stream = _received(group, plan, metadata, device)
+                stream = _received(group, plan, metadata, device, buffer)
                 try:
                     gen.load_weights(stream)
                 finally:
@@ -318,12 +322,11 @@ def _child_main(conn, spec: dict) -> None:
             return
 
 
-def _received(group, plan, metadata, device):
-    """(name, tensor) pairs out of the broadcast buckets, in stream order."""
-    for bucket in plan:
-        total = sum(_nbytes(metadata[i][1], metadata[i][2]) for i in bucket)
-        buffer = torch.empty(total, dtype=torch.uint8)
-        _broadcast(group, buffer)
+def _received(group, plan, metadata, device, buffer):
+    """(name, tensor) pairs out of the broadcast buckets, received into ``buffer``, in stream order
+    (each tensor is copied into the model before the next bucket overwrites it)."""
+    for bucket, total in zip(plan, _bucket_bytes(plan, metadata)):
+        _broadcast(group, buffer[:total])
         offset = 0
         for i in bucket:
             name, dtype, shape = metadata[i]

@@ -179,10 +179,11 @@ class TrainerWorker:
         meta = self.trainer.resumed_meta
         return None if meta is None else meta.get("caller_state")
 
-    def train_step(self, rows: Sequence[dict], extra_metrics: dict | None = None) -> dict:
+    def train_step(self, rows: Sequence[dict], extra_metrics: dict | None = None, *, started=None) -> dict:
         """One optimizer step whose window is exactly ``rows`` (any count), through the CLI's
         planner, loss, window normalisation and guards; returns the step's metrics row (as written
-        to ``metrics.jsonl``, with ``extra_metrics`` merged in) and appends it there."""
+        to ``metrics.jsonl``, with ``extra_metrics`` merged in) and appends it there. ``started``: the
+        ``time.perf_counter()`` at which the caller's step began (the row then holds ``loop_step_s``)."""
         trainer, cfg, env = self.trainer, self.cfg, self.env
         start = time.perf_counter()
         dataset = agreed_rows(
@@ -215,7 +216,12 @@ class TrainerWorker:
                 temperature=cfg.loss.temperature,
             )
             return trainer.train_window(
-                data, time.perf_counter() - start, source="rows", report=dataset.report, extra=extra_metrics
+                data,
+                time.perf_counter() - start,
+                source="rows",
+                report=dataset.report,
+                extra=extra_metrics,
+                started=started,
             )
         except BaseException:
             if trainer.scheduler.last_epoch == updates:

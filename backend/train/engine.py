@@ -46,10 +46,6 @@ from .step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
 
-#: An ``extra`` key of ``train_window``: the ``time.perf_counter()`` at which the driver's step began;
-#: the row then holds ``loop_step_s``, the step's whole wall time up to its row.
-LOOP_STARTED = "_loop_started"
-
 
 def describe_experts(num_experts: int, env) -> str | None:
     """The start-up summary's experts line (None for a dense model): how many a rank computes with."""
@@ -367,10 +363,18 @@ class Engine:
             self.wandb_run_id = run.id
 
     def train_window(
-        self, data: StepData, data_time: float, *, source: str, report=None, extra: dict | None = None
+        self,
+        data: StepData,
+        data_time: float,
+        *,
+        source: str,
+        report=None,
+        extra: dict | None = None,
+        started: float | None = None,
     ) -> dict:
         """One optimizer step on ``data`` (step ``self.step``, already counted): the guards, the
-        update, the memory check and the step row (``extra`` merged into it); returns the row."""
+        update, the memory check and the step row (``extra`` merged into it; with ``started``, the
+        ``time.perf_counter()`` at which a driver's step began, also ``loop_step_s``); returns the row."""
         if data.global_loss_tokens == 0:
             ids = [int(i) for i in data.window_ids[:8]]
             raise DataError(
@@ -414,7 +418,7 @@ class Engine:
         out["nonfinite_steps"] = self.nonfinite_steps
         out["peak_memory_bytes"] = self.meter.peak_bytes
         out.update(self.check_memory(data, self.meter.peak_bytes))
-        return self.log_step(data, out, data_time, report=report, extra=extra)
+        return self.log_step(data, out, data_time, report=report, extra=extra, started=started)
 
     def stop_nonfinite(self, what: str) -> NonFiniteError:
         """The error that ends a run at a step that is not finite (no update applied at it), after
@@ -433,7 +437,9 @@ class Engine:
         where = f"the last good checkpoint is {path} (step {good})" if good > 0 else "nothing was trained yet"
         return NonFiniteError(f"{what}; {where}; lower optimizer.lr (or set train.nonfinite=skip) and resume")
 
-    def log_step(self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None) -> dict:
+    def log_step(
+        self, data: StepData, out: dict, data_time: float, *, report=None, extra: dict | None = None, started=None
+    ) -> dict:
         """Step metrics (train_step's, the plan's, the data's and ``extra``) to the console, jsonl and wandb."""
         metrics = {"step": self.step, **out, **plan_metrics(data.plan, self.env.dp_rank)}
         metrics["data_time_s"] = data_time
@@ -443,10 +449,8 @@ class Engine:
         metrics["oversampling_factor"] = self.oversampling
         if report is not None:
             metrics.update(report.as_dict())
-        extra = dict(extra or {})
-        started = extra.pop(LOOP_STARTED, None)  # a driver's step began there (the RL loop's previous row)
-        metrics.update(extra)
-        if started is not None:
+        metrics.update(extra or {})
+        if started is not None:  # a driver's step began there (the RL loop: its previous row)
             metrics["loop_step_s"] = time.perf_counter() - started
         self.metrics.log(metrics)
         return metrics
