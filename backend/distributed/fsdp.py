@@ -20,15 +20,26 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .collectives import dist_sum
 
 
+def uses_fsdp(env, *, bf16: bool) -> bool:
+    """Whether ``wrap_fsdp`` shards: over more than one rank (``ParallelDims.fsdp_enabled``), or
+    at one rank in BF16, whose FP32 master weights and BF16 compute are FSDP2's
+    ``MixedPrecisionPolicy``. An FP32 run on one rank trains the plain module (no gather, no
+    reduce-scatter, no hook): its parameters are plain tensors, not DTensors."""
+    return env.dims.fsdp_enabled or bf16
+
+
 def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> torch.nn.Module:
     """Shard every decoder layer and the whole model over the world. A model on the meta device
     stays there (its shards get storage with ``to_empty`` afterwards); any other is moved first.
+    Where FSDP2 has nothing to do (``uses_fsdp``) the model is returned as it is, placed.
 
     ``expert_modules`` (expert parallelism: their parameters already DTensors over the EP mesh
     dimension) are sharded first, over ``env.dims.mesh("expert_dp")``: the ranks that hold the
     same experts; the layer around them then leaves their parameters alone."""
     if not any(p.is_meta for p in model.parameters()):
         model.to(env.device)
+    if not uses_fsdp(env, bf16=bf16):
+        return model
     mesh = env.dims.mesh("fsdp")  # dp x cp: the ranks holding distinct tokens
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()

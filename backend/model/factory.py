@@ -1,4 +1,5 @@
-"""The one place a model is built: config -> megatron-core GPTModel -> FSDP2-wrapped, placed model.
+"""The one place a model is built: config -> megatron-core GPTModel -> FSDP2-wrapped, placed model
+(one rank in FP32: the plain module, ``backend.distributed.fsdp.uses_fsdp``).
 
 The trainer, every tool (log-probabilities, benchmarks, comparisons, export) and the tests call
 ``build_model``; a new model source is added here once instead of in each caller.
@@ -46,7 +47,7 @@ def use_bf16(precision: str, device: torch.device) -> bool:
 
 @dataclass
 class BuiltModel:
-    model: torch.nn.Module  # FSDP2-wrapped, on env.device
+    model: torch.nn.Module  # FSDP2-wrapped (one FP32 rank: plain), on env.device
     attention_backend: str  # the resolved backend (never "auto")
     num_parameters: int  # before sharding
     vocab_size: int  # the embedding's rows (the tokenizer's vocabulary, padded; an import's exactly)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backend.bench.rl_rows import rl_rows, write_rows
+from backend.distributed.fsdp import full_tensor
 from tests.conftest import TINY
 
 from .harness import run_ranks
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, cp: int, layout: str, rows: str) -> dict | None
         planner = planner_from_config(cfg.train, env.dims)
         data = window_data(dataset, np.arange(WINDOW), planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=cp)
         metrics = forward_backward(model, data, env, loss_cfg=cfg.loss)
-        grad = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()])
+        grad = torch.cat([full_tensor(p.grad).reshape(-1).double() for p in model.parameters()])
         out[chunk] = {**metrics, "grad": grad, "mbs": data.plan.num_microbatches}
     return out if rank == 0 else None
 

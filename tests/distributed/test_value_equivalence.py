@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.distributed.fsdp import full_tensor
 from tests.conftest import TINY
 from tests.helpers.tolerance import assert_close_by_scale
 
@@ -116,7 +117,7 @@ def _rank(rank: int, world: int, cp: int, rows: str) -> dict | None:
             )
             model.zero_grad(set_to_none=True)
             out = forward_backward(model, data, env, loss_cfg=cfg.loss)
-            grad = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()])
+            grad = torch.cat([full_tensor(p.grad).reshape(-1).double() for p in model.parameters()])
             results[(norm, plan)] = {**out, "grad": grad, "mbs": data.plan.num_microbatches}
         if world == 1:
             results[(norm, "plain")] = _plain(model, dataset, cfg)

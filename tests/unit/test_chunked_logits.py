@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from backend.config import load_config, validate
+from backend.distributed.fsdp import full_tensor
 from backend.model.forward import output_settings
 from backend.model.output import chunked_logprobs
 from tests.conftest import TINY
@@ -79,7 +80,7 @@ def _train(world, tmp_path, chunk: int, extra: list[str]):
         *extra,
     ]
     rows, trainer = train_in_process(world, tmp_path / f"chunk{chunk}", overrides)
-    weights = torch.cat([p.detach().full_tensor().reshape(-1) for p in trainer.model.parameters()])
+    weights = torch.cat([full_tensor(p.detach()).reshape(-1) for p in trainer.model.parameters()])
     return rows, weights, trainer.model
 
 

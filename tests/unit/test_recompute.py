@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend.distributed.fsdp import full_tensor
 from tests.helpers.in_process import train_in_process
 
 
@@ -25,7 +26,7 @@ def train(world, tmp_path, recompute: str):
         f"checkpoint.dir={run / 'ckpt'}",
     ]
     rows, trainer = train_in_process(world, run / "run", overrides)
-    weights = {name: p.detach().full_tensor().clone() for name, p in trainer.model.named_parameters()}
+    weights = {name: full_tensor(p.detach()).clone() for name, p in trainer.model.named_parameters()}
     return rows, weights
 
 
