@@ -105,6 +105,7 @@ _ALLOWED_KEYS = {
     "train.forward_max_tokens_per_gpu": "forward-only passes' microbatching",
     "train.memory_limit_gib": "only the measured token budget (microbatching) follows from it",
     "train.memory_margin": "only the measured token budget (microbatching) follows from it",
+    "train.memory_meter": "whether each step's peak memory is measured, nothing else",
     "train.precision": "compute dtype only; FP32 master weights and optimizer state load unchanged",
     "data.cache_dir": "where caches live",
     "data.prefetch": "when the next window is prepared, not which one",

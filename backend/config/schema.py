@@ -21,6 +21,7 @@ OVERLONG_POLICIES = ("error", "truncate", "drop")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 FUSED_LOGITS_KERNELS = ("none", "liger")
 NONFINITE_POLICIES = ("stop", "skip")
+MEMORY_METERS = ("auto", "on", "off")
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
@@ -239,6 +240,10 @@ class TrainConfig:
     memory_limit_gib: float = 0.0
     # Fraction of memory_limit_gib kept free with max_tokens_per_gpu=auto.
     memory_margin: float = 0.1
+    # peak_memory_bytes in every step row: on, off, or auto (on CUDA, where the allocator counts
+    # for free; on CPU, where a dispatch mode counts every operator's tensors, in python -m
+    # backend.train and with max_tokens_per_gpu=auto, not in an RL worker's steps).
+    memory_meter: str = "auto"
     # Pad each microbatch's length to this multiple (1 = exact lengths; larger buckets shapes).
     dynamic_batch_pad_to_multiple: int = 1
     # Cap on distinct padded lengths (0 = exact lengths): K bucket edges chosen from the data's

@@ -18,6 +18,7 @@ from .schema import (
     KL_ESTIMATORS,
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
+    MEMORY_METERS,
     MODEL_HEADS,
     NONFINITE_POLICIES,
     OLD_LOGPROB_SOURCES,
@@ -39,6 +40,7 @@ _CHOICES = {
     "model.recompute_granularity": RECOMPUTE_GRANULARITIES,
     "model.logits_fused_kernel": FUSED_LOGITS_KERNELS,
     "train.nonfinite": NONFINITE_POLICIES,
+    "train.memory_meter": MEMORY_METERS,
     "data.overlong": OVERLONG_POLICIES,
     "train.dynamic_batch_layout": BATCH_LAYOUTS,
     "train.precision": PRECISIONS,
@@ -135,6 +137,11 @@ def _auto_budget_errors(t, world_size: int) -> list[str]:
         errors.append(f"train.memory_limit_gib={t.memory_limit_gib}: must be >= 0 (0 = the device's capacity)")
     if not 0 <= t.memory_margin < 1:
         errors.append(f"train.memory_margin={t.memory_margin}: must be in [0, 1)")
+    if t.memory_meter == "off" and t.max_tokens_per_gpu == "auto":
+        errors.append(
+            "train.memory_meter=off with train.max_tokens_per_gpu=auto: the measured budget checks every step's "
+            "peak against its prediction; set train.memory_meter to auto or on"
+        )
     return errors
 
 

@@ -106,6 +106,11 @@ class Engine:
     (see the module docstring). Built as its drivers need it: ``Engine(cfg, env)`` is fed windows
     by its caller (the RL workers); ``Trainer(cfg, env)`` adds the data stream."""
 
+    #: ``train.memory_meter=auto`` on CPU: measured in this driver's steps (the data-stream
+    #: trainer's are; an RL worker's, short and many, are not: the meter was 40% of the tiny GRPO
+    #: demo's training step), or whenever ``max_tokens_per_gpu=auto`` checks the peak.
+    meter_cpu_by_default = False
+
     def __init__(self, cfg: Config, env):
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.logger.run_dir)
@@ -142,7 +147,9 @@ class Engine:
         )
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, cfg.train.train_iters)
-        self.meter = MemoryMeter(env.device, resident_tensors(self.model, self.optimizer))
+        self.meter = MemoryMeter(
+            env.device, resident_tensors(self.model, self.optimizer), enabled=self.meters_memory(cfg, env.device)
+        )
         self.memory = None  # the probe's result with train.max_tokens_per_gpu=auto
         if cfg.train.max_tokens_per_gpu == "auto":
             self.cfg = cfg = self.resolve_budget(cfg)
@@ -254,6 +261,14 @@ class Engine:
         """The planner of forward-only passes (log-probabilities, values, validation):
         ``train.forward_max_tokens_per_gpu`` in the configured layout and dp x cp."""
         return planner_from_config(self.cfg.train, self.env.dims, forward=True)
+
+    @classmethod
+    def meters_memory(cls, cfg: Config, device) -> bool:
+        """Whether each step's peak memory is measured (``train.memory_meter``)."""
+        mode = cfg.train.memory_meter
+        if mode != "auto":
+            return mode == "on"
+        return device.type == "cuda" or cfg.train.max_tokens_per_gpu == "auto" or cls.meter_cpu_by_default
 
     def check_memory(self, data: StepData, peak: int) -> dict:
         """The step's measured peak against the fit's prediction for its largest microbatch; over by
@@ -416,8 +431,9 @@ class Engine:
                     f"train.nonfinite_max_skips={limit}"
                 )
         out["nonfinite_steps"] = self.nonfinite_steps
-        out["peak_memory_bytes"] = self.meter.peak_bytes
-        out.update(self.check_memory(data, self.meter.peak_bytes))
+        if self.meter.enabled:
+            out["peak_memory_bytes"] = self.meter.peak_bytes
+            out.update(self.check_memory(data, self.meter.peak_bytes))
         return self.log_step(data, out, data_time, report=report, extra=extra, started=started)
 
     def stop_nonfinite(self, what: str) -> NonFiniteError:

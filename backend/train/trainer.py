@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class Trainer(Engine):
     """The engine fed from ``data.path`` (see the module docstring); ``train()`` runs the loop."""
 
+    meter_cpu_by_default = True  # the data stream's steps are measured on CPU too (train.memory_meter=auto)
+
     def build_data(self, cfg):
         build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
         self.dataset, self.valid, tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
