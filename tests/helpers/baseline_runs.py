@@ -1,11 +1,12 @@
 """Run the same jobs with one source tree and print their numbers as JSON (one object).
 
-``python baseline_runs.py OUT.json WORKDIR`` with the working directory and ``PYTHONPATH`` at the
+``python baseline_runs.py OUT.json WORKDIR [--pinned]`` with the working directory and ``PYTHONPATH`` at the
 tree to measure: the quickstart's first 3 steps (loss, grad norm, valid loss), a packed dp 2 run
 of the tiny test config, 6 steps of the GRPO demo (its reward first moves at step 4) (rewards and losses) and a policy worker's
 log-probabilities of fixed rows. Every job is a subprocess of that tree, so a test can run the
 script against an earlier commit and the current one and compare the numbers exactly (floats are
-written with ``repr``: equal strings are equal bits).
+written with ``repr``: equal strings are equal bits). ``--pinned`` runs every job through
+``pinned_kernels.py`` (the kernels from before the causal fast paths).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def _run(cmd: list[str], env: dict) -> str:
     return done.stdout
 
 
-def main(out_path: str, workdir: str) -> None:
+PINNER = Path(__file__).resolve().with_name("pinned_kernels.py")
+
+
+def main(out_path: str, workdir: str, pinned: bool = False) -> None:
     work = Path(workdir)
     env = {
         k: v
@@ -55,13 +59,13 @@ def main(out_path: str, workdir: str) -> None:
     env["OMP_NUM_THREADS"] = "1"
     cache = f"data.cache_dir={work / 'data_cache'}"
     py = sys.executable
+    module = [py, str(PINNER)] if pinned else [py, "-m"]  # + the module to run
     results = {}
 
     run = work / "quickstart"
     _run(
         [
-            py,
-            "-m",
+            *module,
             "backend.train",
             str(HERE / "configs/quickstart.yaml"),
             "train.train_iters=3",
@@ -82,7 +86,7 @@ def main(out_path: str, workdir: str) -> None:
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node=2",
-            "-m",
+            *(["--no-python", py, str(PINNER)] if pinned else ["-m"]),
             "backend.train",
             str(HERE / "tests/configs/tiny.yaml"),
             "train.dynamic_batch_layout=packed",
@@ -100,8 +104,7 @@ def main(out_path: str, workdir: str) -> None:
     run = work / "grpo"
     _run(
         [
-            py,
-            "-m",
+            *module,
             "backend.rl",
             str(HERE / "configs/grpo_demo.yaml"),
             "train.train_iters=6",
@@ -112,12 +115,21 @@ def main(out_path: str, workdir: str) -> None:
     )
     results["grpo"] = _rows(run / "metrics.jsonl")
 
+    pin = f"import sys; sys.path.insert(0, {str(PINNER.parent)!r}); from pinned_kernels import pin; pin()\n"
     out = _run(
-        [py, "-c", LOGPROBS, str(HERE / "configs/grpo_demo.yaml"), f"logger.run_dir={work / 'worker'}", *demo], env
+        [
+            py,
+            "-c",
+            (pin if pinned else "") + LOGPROBS,
+            str(HERE / "configs/grpo_demo.yaml"),
+            f"logger.run_dir={work / 'worker'}",
+            *demo,
+        ],
+        env,
     )
     results["worker"] = json.loads(out.split("RESULT ", 1)[1])
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1], sys.argv[2], pinned="--pinned" in sys.argv[3:])
