@@ -41,7 +41,7 @@ from backend.train.run_loop import run_steps
 
 from .advantages import build_advantage, zero_variance_share
 from .prompts import Prompt, read_prompts
-from .reward import RewardError, load_reward, score
+from .reward import RewardError, load_reward, score_all
 
 log = logging.getLogger(__name__)
 
@@ -203,22 +203,13 @@ class GRPOLoop:
         prompts = [self.prompts[int(ids[slot])] for slot in slots]
         start = time.perf_counter()
         for slot, prompt, completions in zip(slots, prompts, batches):
-            rewards = []
+            calls = []
+            for k, c in enumerate(completions):
+                response = self.worker.tokenizer.decode(c.token_ids)
+                where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
+                calls.append((prompt.text, response, prompt.row, where))
             try:
-                for k, c in enumerate(completions):
-                    response = self.worker.tokenizer.decode(c.token_ids)
-                    where = f"{prompt.where} (step {step}, sample {k}, response {response[:60]!r})"
-                    rewards.append(
-                        score(
-                            self.reward_fn,
-                            rl.reward,
-                            prompt.text,
-                            response,
-                            prompt.row,
-                            where=where,
-                            timeout_s=rl.reward_timeout_s,
-                        )
-                    )
+                rewards = score_all(self.reward_fn, rl.reward, calls, timeout_s=rl.reward_timeout_s)
             except RewardError as e:
                 error = ("reward", str(e))
                 break
