@@ -1,12 +1,12 @@
 """Run the same jobs with one source tree and print their numbers as JSON (one object).
 
-``python baseline_runs.py OUT.json WORKDIR [--pinned]`` with the working directory and ``PYTHONPATH`` at the
+``python baseline_runs.py OUT.json WORKDIR [--pinned=kernels,sampler]`` with the working directory and ``PYTHONPATH`` at the
 tree to measure: the quickstart's first 3 steps (loss, grad norm, valid loss), a packed dp 2 run
 of the tiny test config, 6 steps of the GRPO demo (its reward first moves at step 4) (rewards and losses) and a policy worker's
 log-probabilities of fixed rows. Every job is a subprocess of that tree, so a test can run the
 script against an earlier commit and the current one and compare the numbers exactly (floats are
-written with ``repr``: equal strings are equal bits). ``--pinned`` runs every job through
-``pinned_kernels.py`` (the kernels from before the causal fast paths).
+written with ``repr``: equal strings are equal bits). ``--pinned=WHAT`` runs every job through
+``pinned_kernels.py`` with ``PINNED=WHAT`` (the paths from before the RL step's fast paths).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _run(cmd: list[str], env: dict) -> str:
 PINNER = Path(__file__).resolve().with_name("pinned_kernels.py")
 
 
-def main(out_path: str, workdir: str, pinned: bool = False) -> None:
+def main(out_path: str, workdir: str, pinned: str = "") -> None:
     work = Path(workdir)
     env = {
         k: v
@@ -57,6 +57,8 @@ def main(out_path: str, workdir: str, pinned: bool = False) -> None:
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env["OMP_NUM_THREADS"] = "1"
+    if pinned:
+        env["PINNED"] = pinned
     cache = f"data.cache_dir={work / 'data_cache'}"
     py = sys.executable
     module = [py, str(PINNER)] if pinned else [py, "-m"]  # + the module to run
@@ -132,4 +134,5 @@ def main(out_path: str, workdir: str, pinned: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], pinned="--pinned" in sys.argv[3:])
+    flags = [a.removeprefix("--pinned=") for a in sys.argv[3:] if a.startswith("--pinned=")]
+    main(sys.argv[1], sys.argv[2], pinned=flags[0] if flags else "")

@@ -4,8 +4,9 @@
   against one call per sequence, and right-padded rows under the causal kernel against the dense
   mask: outputs and q / k / v gradients of real tokens within 1e-5;
 - the generator: a prompt prefilled once for its n samples against n prefills (the same sampled
-  tokens, log-probabilities within 1e-5), and ``sample_rows`` against ``torch.multinomial`` (the
-  same draws, bit for bit);
+  tokens, log-probabilities within 1e-5); ``sample_rows`` against ``torch.multinomial`` (the same
+  draws, bit for bit); ``inverse_cdf_rows`` draws each id at its probability (200,000 draws,
+  within 5 standard deviations) and never an id of probability 0;
 - reward calls in one thread: values in order, the first failing call named.
 """
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from backend.model.attention import sdpa
 from backend.model.attention.context import AttentionContext
 from backend.model.attention.masks import dense_mask
-from backend.rl.generate import HFGenerator, sample_rows
+from backend.rl.generate import HFGenerator, inverse_cdf_rows, sample_rows
 from backend.rl.reward import RewardError, score_all
 
 
@@ -130,6 +131,19 @@ def test_sample_rows_draws_what_multinomial_draws():
         ).squeeze(1)
         got = sample_rows(probs, [torch.Generator().manual_seed(s) for s in seeds], n)
         assert torch.equal(got, want)
+
+
+def test_inverse_cdf_draws_each_id_at_its_probability_and_never_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3 - 1e-4, 1e-4, 0.0])
+    draws = 200_000
+    g = torch.Generator().manual_seed(0)
+    tokens = inverse_cdf_rows(probs.expand(draws, -1), torch.rand(draws, generator=g, dtype=torch.float64))
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    sigma = (draws * probs.double() * (1 - probs.double())).sqrt()
+    assert ((counts - draws * probs.double()).abs() <= 5 * sigma + 1e-9).all(), counts.tolist()
+    assert counts[probs == 0].sum() == 0
+    edges = inverse_cdf_rows(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert edges.tolist() == [1, 5]  # the first and the last id of positive probability
 
 
 def test_a_prompt_prefilled_once_samples_what_n_prefills_sample():
