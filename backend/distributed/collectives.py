@@ -4,7 +4,8 @@ A named helper says what is agreed (a maximum, a sum, a list of every rank's obj
 the device handling in one place: NCCL needs CUDA tensors, gloo CPU ones. Every helper takes the
 group it reduces over, with no default: the caller says which ranks count (``ParallelDims.group``:
 "loss" for sums of tokens, "world" for agreement and maxima), so a sum can never silently count a
-token once per tensor-parallel rank.
+token once per tensor-parallel rank. Over a group of one rank (a one-process run) each helper
+returns its answer without entering the backend: there is nothing to agree with.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ import torch
 import torch.distributed as dist
 
 
+def _alone(group) -> bool:
+    """The group is this rank only."""
+    return dist.get_world_size(group) == 1
+
+
 def dist_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum ``tensor`` over the group, in place; returns it."""
+    if _alone(group):
+        return tensor
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
 def dist_max(value: float, device: torch.device, *, group) -> float:
     """The largest ``value`` over the group (e.g. the slowest rank's time, the largest peak memory)."""
+    if _alone(group):
+        return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
@@ -28,12 +38,16 @@ def dist_max(value: float, device: torch.device, *, group) -> float:
 
 def dist_max_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
     """Element-wise maximum of ``tensor`` over the group, in place (a minimum is the max of -x)."""
+    if _alone(group):
+        return tensor
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 
 def dist_any(flag: bool, device: torch.device, *, group) -> bool:
     """True on every rank when it is true on any rank (one tiny all-reduce)."""
+    if _alone(group):
+        return bool(flag)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
@@ -41,6 +55,8 @@ def dist_any(flag: bool, device: torch.device, *, group) -> bool:
 
 def all_gather_objects(obj, *, group) -> list:
     """Every rank's picklable ``obj``, in rank order (small metadata only: it pickles)."""
+    if _alone(group):
+        return [obj]
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

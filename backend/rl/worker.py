@@ -72,12 +72,13 @@ def agreed_rows(rows, tokenizer, data_cfg, *, fields, limit: bool, what: str, vo
     rank whose rows are refused shares its error in the same exchange, so every rank raises (one
     rank raising while the others wait in a collective would hang)."""
     error, dataset = None, None
+    shared = dist.is_initialized() and dist.get_world_size() > 1  # one rank: nothing to agree with
     try:
         dataset = rows_dataset(rows, tokenizer, data_cfg, fields=fields, limit=limit, vocab=vocab)
-        digest = _rows_digest(dataset)
+        digest = _rows_digest(dataset) if shared else ""
     except UserError as e:
         error, digest = e, f"error: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if shared:
         digests = all_gather_objects(digest, group=dist.group.WORLD)
         failed = [(r, d) for r, d in enumerate(digests) if d.startswith("error: ")]
         if error is None and failed:
