@@ -75,6 +75,8 @@ def inverse_cdf_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     ids took 0.4 ms a token on one CPU thread; 64 x 151,936, Qwen3's, would take 200 ms). Ids of
     probability 0 are never returned (the search goes past every flat stretch of the sum)."""
     cdf = probs.double().cumsum(dim=-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # what torch.multinomial refuses too
+        raise ValueError("generator: the sampling probabilities are not finite (the policy's logits hold NaN or inf)")
     return torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 

@@ -144,6 +144,8 @@ def test_inverse_cdf_draws_each_id_at_its_probability_and_never_a_zero():
     assert counts[probs == 0].sum() == 0
     edges = inverse_cdf_rows(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
     assert edges.tolist() == [1, 5]  # the first and the last id of positive probability
+    with pytest.raises(ValueError, match="not finite"):
+        inverse_cdf_rows(torch.tensor([[0.5, float("nan")]]), torch.tensor([0.3], dtype=torch.float64))
 
 
 def test_a_prompt_prefilled_once_samples_what_n_prefills_sample():
