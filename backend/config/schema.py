@@ -124,8 +124,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Activation recomputation, memory for time (megatron-core's names): none keeps every
     # activation; selective recomputes the core attention in backward (drops the score matrix a
-    # materialising kernel keeps: SDPA on CPU); full keeps only each decoder layer's input and
-    # recomputes the layer (about one more forward per step). Same gradients; read by the memory probe.
+    # materialising kernel keeps: SDPA with a mask, under CP, windows or sinks); full keeps only
+    # each decoder layer's input and recomputes the layer (about one more forward per step). Same
+    # gradients; read by the memory probe.
     recompute_granularity: str = "none"
     # Compute the output layer's log-probabilities (and entropy) this many tokens at a time, never
     # the whole [tokens, vocab] logits (backend/model/output.py); 0 = all at once. Backward
