@@ -35,7 +35,11 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("tokens_per_s", "tokens / second", "tokens / step_time_s"),
         ("data_time_s", "seconds", "time the step spent preparing its window (reading, planning, collating)"),
         ("data_wait_s", "seconds", "time the step waited on the background prefetch (data.prefetch)"),
-        ("peak_memory_bytes", "bytes", "the step's peak: CUDA allocator on GPU, live tensors on CPU"),
+        (
+            "peak_memory_bytes",
+            "bytes",
+            "the step's peak: CUDA allocator on GPU, live tensors on CPU (where train.memory_meter measures)",
+        ),
         (
             "predicted_peak_bytes",
             "bytes",
