@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
 """Our GRPO loop against TRL's ``GRPOTrainer`` on the same model, prompts, reward and settings.
 
-Each size builds one random Hugging Face Qwen3 (``save_pretrained``, a byte-level BPE tokenizer
-trained here) and runs both loops on it, each in a fresh process on one thread, FP32 on the CPU:
-the GRPO demo's task (``configs/grpo_demo``: copy a three-letter word, reward = letters right),
-8 prompts x 8 samples a step, 8 new tokens, temperature 1, one optimizer step per generation, the
-token-mean loss (TRL's ``loss_type="dapo"``), no KL, learning rate 5e-3. Reported per arm: the
-median seconds a step (after the first), its generation, training and weight-sync parts, the
-start-up (process start to the first step's start), and the reward curve.
+For each size and seed one random Hugging Face Qwen3 is built (``save_pretrained``, a byte-level
+BPE tokenizer trained on the prompts) and both loops run on it, each in a fresh process on one
+thread, FP32 on the CPU: a task of prompt rows and a reward function (default the GRPO demo's,
+``configs/grpo_demo``: copy a three-letter word, reward = letters right; both arms call the same
+function), 8 prompts x 8 samples a step, 8 new tokens, temperature 1, one optimizer step per
+generation, the token-mean loss (TRL's ``loss_type="dapo"``), no KL, AdamW (0.9, 0.999, 1e-8,
+no weight decay: TRL's defaults, ours set to them), learning rate 5e-3 constant, clipping at 1.
 
-    python tools/bench/bench_rl_vs_trl.py [--sizes tiny,medium] [--steps 10] [--json]
+Reported per arm: the median seconds a step over the steps after the first (ours: ``loop_step_s``,
+the step's whole wall time: generation, scoring, rows, training, weight sync; TRL: its trainer's
+step callbacks, which enclose its generation), the generation and training parts (ours also the
+weight sync), the start-up (process start to the first step, with teardown: the process's wall
+less its steps), the reward curve and its gain (mean of the last 3 steps less the first 3).
+Per size: ours / TRL of the medians pooled over the seeds, and the reward gains' means.
 
-TRL is an optional extra (``pip install -e '.[trl]'``). Where a part is not separately visible in
-TRL (its weight sync is none: it generates with the training model), it is 0.
+    python tools/bench/bench_rl_vs_trl.py [--sizes tiny,medium] [--seeds 0] [--steps 10] [--json]
+        [--size NAME=LAYERS,HIDDEN,FFN,HEADS,KV_HEADS] [--prompts FILE.jsonl --reward FILE.py:fn]
+        [--plot rewards.png]
+
+TRL is an optional extra (``pip install -e '.[trl]'``).
 """
 
 from __future__ import annotations
@@ -26,53 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SIZES = {
-    "tiny": dict(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
-    ),
-    "medium": dict(
-        num_hidden_layers=4, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4
-    ),
-}
-PROMPTS = REPO / "configs" / "grpo_demo" / "prompts.jsonl"
+from backend.bench.rl_task import PROMPTS, REPO, REWARD, SIZES, build_model, parse_size
 
 
-def build_model(out: Path, size: str, seed: int = 0) -> Path:
-    """A random Qwen3 of ``size`` with a byte-level BPE tokenizer (its vocabulary sizes the model)."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    words = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(words, trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    cfg = transformers.Qwen3Config(
-        vocab_size=len(fast),
-        head_dim=SIZES[size]["hidden_size"] // SIZES[size]["num_attention_heads"],
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        **SIZES[size],
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    fast.save_pretrained(out)
-    return out
-
-
-def run_ours(model_dir: Path, run_dir: Path, steps: int) -> dict:
+def run_ours(model_dir: Path, run_dir: Path, args, seed: int) -> dict:
     start = time.time()
     cmd = [
         sys.executable,
@@ -82,8 +47,14 @@ def run_ours(model_dir: Path, run_dir: Path, steps: int) -> dict:
         f"model.hf_checkpoint={model_dir}",
         "model.attention_backend=sdpa",
         "train.precision=fp32",
-        f"train.train_iters={steps}",
-        "rl.max_new_tokens=8",
+        f"train.train_iters={args.steps}",
+        f"train.seed={seed}",
+        "optimizer.adam_beta2=0.999",  # TRL's (transformers') AdamW default; ours is 0.95
+        f"rl.prompts={args.prompts}",
+        f"rl.reward={args.reward}",
+        f"rl.prompts_per_step={args.prompts_per_step}",
+        f"rl.samples_per_prompt={args.samples}",
+        f"rl.max_new_tokens={args.new_tokens}",
         "checkpoint.interval=0",
         f"logger.run_dir={run_dir}",
         "logger.log_interval=1000",
@@ -95,6 +66,7 @@ def run_ours(model_dir: Path, run_dir: Path, steps: int) -> dict:
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     parts = [
         {
+            "step": r["loop_step_s"],
             "generate": r["generate_s"],
             "train": r["step_time_s"] + r.get("logprobs_s", 0.0),
             "sync": r.get("weight_sync_s", 0.0),
@@ -108,13 +80,13 @@ def _summary(parts: list[dict], rewards: list[float], proc_wall: float) -> dict:
     """Medians over the steps after the first; start-up is the process's wall time less its steps
     (imports, model build or load, the first weight sync, teardown), the same rule for both arms."""
     warm = parts[1:] or parts
-    step = [p["generate"] + p["train"] + p["sync"] for p in warm]
     return {
-        "s_per_step": statistics.median(step),
+        "s_per_step": statistics.median(p["step"] for p in warm),
+        "step_s": [p["step"] for p in parts],
         "generate_s": statistics.median(p["generate"] for p in warm),
         "train_s": statistics.median(p["train"] for p in warm),
         "sync_s": statistics.median(p["sync"] for p in warm),
-        "startup_s": proc_wall - sum(p["generate"] + p["train"] + p["sync"] for p in parts),
+        "startup_s": proc_wall - sum(p["step"] for p in parts),
         "rewards": rewards,
         "reward_gain": (statistics.mean(rewards[-3:]) - statistics.mean(rewards[:3])) if len(rewards) >= 6 else None,
     }
@@ -122,19 +94,22 @@ def _summary(parts: list[dict], rewards: list[float], proc_wall: float) -> dict:
 
 TRL_WORKER = r"""
 import json, sys, time
-start = float(sys.argv[4])
 import torch
 torch.set_num_threads(1)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from backend.rl.reward import load_reward
 
-model_dir, out_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rows = [json.loads(l) for l in open(sys.argv[5])]
-data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+model_dir, out_dir, steps, prompts, spec = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+seed, per_step, samples, new_tokens = (int(x) for x in sys.argv[6:10])
+rows = [json.loads(l) for l in open(prompts) if l.strip()]
+data = Dataset.from_list(rows)
+fn = load_reward(spec)
 
-def reward(prompts, completions, answer, **_):
-    return [sum(a == b for a, b in zip(c, w)) / len(w) for c, w in zip(completions, answer)]
+def reward(prompts, completions, **columns):  # the same function our loop calls, on the same row
+    names = [k for k in rows[0] if k != "prompt"]
+    return [float(fn(p, c, {"prompt": p, **{k: columns[k][i] for k in names}})) for i, (p, c) in enumerate(zip(prompts, completions))]
 
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -154,10 +129,11 @@ class Clock(TrainerCallback):
         timing["step_end"].append(time.perf_counter())
 
 cfg = GRPOConfig(
-    output_dir=out_dir, per_device_train_batch_size=64, num_generations=8, max_completion_length=8,
-    learning_rate=5e-3, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
-    beta=0.0, bf16=False, use_cpu=True, max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
-    steps_per_generation=1, num_iterations=1, temperature=1.0, seed=1234, dataloader_num_workers=0,
+    output_dir=out_dir, per_device_train_batch_size=per_step * samples, num_generations=samples,
+    max_completion_length=new_tokens, learning_rate=5e-3, lr_scheduler_type="constant", weight_decay=0.0,
+    max_grad_norm=1.0, loss_type="dapo", beta=0.0, bf16=False, use_cpu=True, max_steps=steps, logging_steps=1,
+    report_to=[], save_strategy="no", steps_per_generation=1, num_iterations=1, temperature=1.0, seed=seed,
+    dataloader_num_workers=0,
 )
 trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok)
 trainer.add_callback(Clock())
@@ -167,41 +143,107 @@ print("TRL_JSON " + json.dumps({"timing": timing, "rewards": rewards}))
 """
 
 
-def run_trl(model_dir: Path, out: Path, steps: int) -> dict:
+def run_trl(model_dir: Path, out: Path, args, seed: int) -> dict:
     start = time.time()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-c", TRL_WORKER, str(model_dir), str(out), str(steps), str(start), str(PROMPTS)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO)
+    )
+    numbers = [seed, args.prompts_per_step, args.samples, args.new_tokens]
+    cmd = [sys.executable, "-c", TRL_WORKER, str(model_dir), str(out), str(args.steps), str(args.prompts), args.reward]
+    proc = subprocess.run([*cmd, *map(str, numbers)], cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"TRL failed:\n{proc.stderr[-4000:]}")
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TRL_JSON "))[9:])
     t = result["timing"]
     steps_s = [b - a for a, b in zip(t["step_start"], t["step_end"])]
-    parts = [{"generate": g, "train": s - g, "sync": 0.0} for g, s in zip(t["generate"], steps_s)]
+    parts = [{"step": s, "generate": g, "train": s - g, "sync": 0.0} for g, s in zip(t["generate"], steps_s)]
     return _summary(parts, result["rewards"], proc_wall=time.time() - start)
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One arm over its seeds: the median step over every seed's steps after the first, the mean
+    reward gain, and each seed's own numbers."""
+    steps = [s for r in runs for s in r["step_s"][1:]]
+    return {
+        "s_per_step": statistics.median(steps),
+        "generate_s": statistics.median(r["generate_s"] for r in runs),
+        "train_s": statistics.median(r["train_s"] for r in runs),
+        "sync_s": statistics.median(r["sync_s"] for r in runs),
+        "startup_s": statistics.median(r["startup_s"] for r in runs),
+        "reward_gain": statistics.mean(r["reward_gain"] for r in runs if r["reward_gain"] is not None)
+        if any(r["reward_gain"] is not None for r in runs)
+        else None,
+        "seeds": runs,
+    }
 
 
 def _table(results: dict) -> str:
     lines = [
-        f"{'size':<7} {'arm':<5} {'s/step':>8} {'generate':>9} {'train':>8} {'sync':>7} {'start-up':>9} "
+        f"{'size':<8} {'arm':<5} {'s/step':>8} {'generate':>9} {'train':>8} {'sync':>7} {'start-up':>9} "
         f"{'ours/TRL':>9} {'reward gain':>12}"
     ]
     for size, arms in results.items():
-        for name, r in arms.items():
-            ratio = arms["ours"]["s_per_step"] / arms["trl"]["s_per_step"] if name == "ours" else 1.0
+        for name in ("ours", "trl"):
+            r = arms[name]
+            ratio = arms["ratio"] if name == "ours" else 1.0
             gain = r["reward_gain"]
             lines.append(
-                f"{size:<7} {name:<5} {r['s_per_step']:>8.3f} {r['generate_s']:>9.3f} {r['train_s']:>8.3f} "
-                f"{r['sync_s']:>7.3f} {r['startup_s']:>9.2f} {ratio:>8.2f}x {gain if gain is not None else float('nan'):>12.3f}"
+                f"{size:<8} {name:<5} {r['s_per_step']:>8.3f} {r['generate_s']:>9.3f} {r['train_s']:>8.3f} "
+                f"{r['sync_s']:>7.3f} {r['startup_s']:>9.2f} {ratio:>8.2f}x "
+                f"{gain if gain is not None else float('nan'):>12.3f}"
             )
     return "\n".join(lines)
 
 
+def _curves(results: dict) -> str:
+    """Each size's reward curves side by side: the mean over seeds, step by step."""
+    lines = []
+    for size, arms in results.items():
+        curves = {
+            n: [statistics.mean(v) for v in zip(*(r["rewards"] for r in arms[n]["seeds"]))] for n in ("ours", "trl")
+        }
+        lines.append(f"{size}: reward per step (mean over seeds), ours | TRL")
+        for i, (a, b) in enumerate(zip(curves["ours"], curves["trl"]), 1):
+            lines.append(f"  step {i:>3}  {a:6.3f} | {b:6.3f}")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.5), squeeze=False)
+    for ax, (size, arms) in zip(axes[0], results.items()):
+        for name, label in (("ours", "ours"), ("trl", "TRL GRPOTrainer")):
+            for k, run in enumerate(arms[name]["seeds"]):
+                ax.plot(
+                    range(1, len(run["rewards"]) + 1),
+                    run["rewards"],
+                    color="C0" if name == "ours" else "C1",
+                    alpha=0.8,
+                    label=label if k == 0 else None,
+                )
+        ax.set(title=f"{size}: ours {arms['ratio']:.2f}x TRL's step", xlabel="step", ylabel="mean reward")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="tiny,medium")
+    p.add_argument("--sizes", default="tiny,medium", help=f"comma-separated, of {', '.join(SIZES)} and --size names")
+    p.add_argument("--size", action="append", default=[], help="NAME=LAYERS,HIDDEN,FFN,HEADS,KV_HEADS (repeatable)")
+    p.add_argument("--seeds", default="0", help="comma-separated: each builds its own model and seeds both loops")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt rows (JSONL, a 'prompt' field)")
+    p.add_argument("--reward", default=REWARD, help="FILE.py:function or module:function, fn(prompt, response, row)")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--out", default="runs/bench_rl_vs_trl")
+    p.add_argument("--plot", type=Path, help="write the reward curves side by side as this PNG")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -209,17 +251,38 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: TRL is not installed (pip install -e '.[trl]')", file=sys.stderr)
         return 2
+    shapes, sizes = dict(SIZES), [s for s in args.sizes.split(",") if s]
+    for text in args.size:
+        try:
+            name, shape = parse_size(text)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        shapes[name] = shape
+        sizes += [] if name in sizes else [name]
+    unknown = [s for s in sizes if s not in shapes]
+    if unknown:
+        known = ", ".join(shapes)
+        print(f"error: --sizes: unknown {', '.join(unknown)} (known: {known}; add one with --size)", file=sys.stderr)
+        return 2
+    args.prompts = args.prompts.resolve()
     out = Path(args.out).resolve()
     results = {}
-    for size in args.sizes.split(","):
-        model_dir = build_model(out / size / "model", size)
-        results[size] = {
-            "ours": run_ours(model_dir, out / size / f"ours_{time.time_ns()}", args.steps),
-            "trl": run_trl(model_dir, out / size / "trl", args.steps),
-        }
+    for size in sizes:
+        runs = {"ours": [], "trl": []}
+        for seed in (int(x) for x in args.seeds.split(",")):
+            model_dir = build_model(out / size / f"model_{seed}", shapes[size], args.prompts, seed)
+            runs["ours"].append(run_ours(model_dir, out / size / f"ours_{seed}_{time.time_ns()}", args, seed))
+            runs["trl"].append(run_trl(model_dir, out / size / f"trl_{seed}", args, seed))
+        arms = {name: pooled(r) for name, r in runs.items()}
+        results[size] = {**arms, "ratio": arms["ours"]["s_per_step"] / arms["trl"]["s_per_step"], "shape": shapes[size]}
     print(_table(results))
+    print(_curves(results))
+    if args.plot:
+        _plot(results, args.plot)
+        print(f"reward curves: {args.plot}")
     if args.json:
-        print(json.dumps({"steps": args.steps, "sizes": results}))
+        print(json.dumps({"steps": args.steps, "seeds": args.seeds, "sizes": results}))
     return 0
 
 

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Where one step of our GRPO loop goes: by phase, by operator, and what each fast path saves.
+
+The model, task and settings of ``bench_rl_vs_trl.py`` (a random Qwen3 of ``--size``, the GRPO
+demo's task, 8 prompts x 8 samples, 8 new tokens, one thread, FP32 on the CPU). Each arm runs in
+its own process (``backend.rl`` in process, ``--steps`` steps after one warm-up step) and reports
+the median over its steps of each phase, from the step rows: generation, reward scoring, rows to
+plan (parsing, planning, plan checks), forward + backward + update, the weight sync into the
+generator, and the rest of the loop (rows, advantages, metrics). Arms:
+
+- ``now``: as shipped;
+- ``+meter``: ``train.memory_meter=on`` (the CPU meter's dispatch mode on every operator);
+- ``+fsdp``: FSDP2 wrapping the one-rank model (``uses_fsdp`` forced true);
+- ``+per_sequence``: the dense-mask and one-call-per-sequence SDPA paths (``CAUSAL_FAST_PATHS``);
+- ``+n_prefills``: each prompt prefilled once per sample (``share_prompt_prefill``);
+- ``+multinomial``: ``torch.multinomial``'s draws (``HFGenerator.sampler``);
+- ``before``: all five at once (the step before these changes, but for the reward thread).
+
+``--ops`` adds the ``now`` arm's operators under ``torch.profiler`` grouped: matmuls, attention,
+normalisation and activations, optimizer, sampling, copies, collectives, the rest.
+
+    python tools/bench/profile_rl_step.py [--size tiny] [--steps 10] [--ops] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from backend.bench.rl_task import REPO, SIZES, build_model
+
+ARMS = {
+    "now": (),
+    "+meter": ("meter",),
+    "+fsdp": ("fsdp",),
+    "+per_sequence": ("per_sequence",),
+    "+n_prefills": ("n_prefills",),
+    "+multinomial": ("multinomial",),
+    "before": ("meter", "fsdp", "per_sequence", "n_prefills", "multinomial"),
+}
+PHASES = ("generate", "reward", "rows_to_plan", "train", "weight_sync", "loop_rest")
+OP_GROUPS = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention", ("scaled_dot_product", "flash_attention")),
+    ("norm_activation", ("rms_norm", "silu", "aten::pow", "aten::rsqrt", "aten::mean")),
+    ("optimizer", ("Optimizer.step", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt")),
+    ("sampling", ("aten::rand", "exponential", "multinomial", "searchsorted", "cumsum", "log_softmax")),
+    ("copies", ("aten::copy_", "aten::cat", "aten::index", "aten::clone", "aten::contiguous", "aten::_to_copy")),
+    ("collectives", ("c10d::", "gloo", "all_gather", "reduce_scatter", "all_reduce")),
+)
+
+
+def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], ops: bool) -> dict:
+    """One arm in this process: build the worker and the generator as ``backend.rl`` does, one
+    warm-up step, then ``steps`` timed steps; the step rows (and with ``ops`` the operators)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if "fsdp" in changes:
+        import backend.distributed.fsdp as fsdp
+
+        fsdp.uses_fsdp = lambda env, *, bf16: True
+    if "per_sequence" in changes:
+        import backend.model.attention.sdpa as sdpa
+
+        sdpa.CAUSAL_FAST_PATHS = False
+    from backend.rl.generate import HFGenerator
+
+    if "n_prefills" in changes:
+        HFGenerator.share_prompt_prefill = False
+    if "multinomial" in changes:
+        HFGenerator.sampler = "multinomial"
+    from backend.config import load_config, validate
+    from backend.distributed.setup import init_from_config, shutdown_distributed
+    from backend.rl.cli import build_generator
+    from backend.rl.loop import GRPOLoop
+    from backend.rl.worker import PolicyWorker
+
+    config = str(REPO / "configs" / "grpo_demo.yaml")
+    overrides = [
+        f"model.hf_checkpoint={model_dir}",
+        "model.attention_backend=sdpa",
+        "train.precision=fp32",
+        f"train.train_iters={steps + 1}",
+        "rl.max_new_tokens=8",
+        "checkpoint.interval=0",
+        f"logger.run_dir={run_dir}",
+        "logger.log_interval=1000000",
+        f"train.memory_meter={'on' if 'meter' in changes else 'auto'}",
+    ]
+    env = init_from_config(validate(load_config(config, overrides), world_size=1, from_memory=True))
+    worker = PolicyWorker.from_config(config, overrides, env=env)
+    try:
+        loop = GRPOLoop(worker, build_generator(worker))
+        loop.step()
+        profiler = None
+        if ops:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+        rows = [loop.step() for _ in range(steps)]
+        out = {"rows": rows}
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            out["ops"] = _op_groups(profiler.key_averages(), steps)
+        return out
+    finally:
+        worker.close()
+        shutdown_distributed()
+
+
+def _op_groups(averages, steps: int) -> dict:
+    """Self CPU seconds a step by operator group (a name matching none is "other")."""
+    out = {name: 0.0 for name, _ in OP_GROUPS} | {"other": 0.0}
+    for event in averages:
+        group = next((g for g, keys in OP_GROUPS if any(k in event.key for k in keys)), "other")
+        out[group] += event.self_cpu_time_total / 1e6 / steps
+    return out
+
+
+def phases(row: dict) -> dict:
+    """A step row's wall time cut into PHASES (seconds)."""
+    parts = {
+        "generate": row["generate_s"],
+        "reward": row.get("reward_s", 0.0),
+        "rows_to_plan": row["data_time_s"],
+        "train": row["step_time_s"] + row.get("logprobs_s", 0.0),
+        "weight_sync": row.get("weight_sync_s", 0.0),
+    }
+    parts["loop_rest"] = row["loop_step_s"] - sum(parts.values())
+    return parts
+
+
+def run_arm(model_dir: Path, out: Path, name: str, steps: int, ops: bool) -> dict:
+    """``name``'s arm in a fresh process on one thread; medians of its phases."""
+    run_dir = out / f"{name.strip('+')}_{time.time_ns()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, __file__, "--child", str(model_dir), str(run_dir), str(steps), ",".join(ARMS[name])]
+    proc = subprocess.run([*cmd, *(["--ops"] if ops else [])], cwd=REPO, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"arm {name} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("ARM_JSON "))[9:])
+    cut = [phases(r) for r in result["rows"]]
+    summary = {p: statistics.median(c[p] for c in cut) for p in PHASES}
+    summary["step"] = statistics.median(r["loop_step_s"] for r in result["rows"])
+    if "ops" in result:
+        summary["ops"] = result["ops"]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        model_dir, run_dir, steps, changes = argv[1:5]
+        result = _arm_process(model_dir, run_dir, int(steps), [c for c in changes.split(",") if c], "--ops" in argv)
+        print("ARM_JSON " + json.dumps(result, default=float))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--ops", action="store_true", help="the now arm's operators by group (torch.profiler)")
+    p.add_argument("--out", default="runs/profile_rl_step")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    model_dir = build_model(out / args.size / "model", SIZES[args.size])
+    results = {
+        name: run_arm(model_dir, out / args.size, name, args.steps, args.ops and name == "now")
+        for name in args.arms.split(",")
+    }
+    base = results.get("now")
+    head = f"{'arm':<14} {'step':>7} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'vs now':>8}"
+    lines = [f"{args.size}: seconds a step (median over {args.steps} steps, one thread)", head]
+    for name, r in results.items():
+        ratio = f"{r['step'] / base['step']:>7.2f}x" if base else ""
+        lines.append(f"{name:<14} {r['step']:>7.4f} " + " ".join(f"{r[p]:>12.4f}" for p in PHASES) + f" {ratio:>8}")
+    if base and "ops" in base:
+        lines.append("now, self CPU seconds a step by operator group (under torch.profiler, which slows small ops):")
+        lines += [f"  {g:<16} {s:>8.4f}" for g, s in sorted(base["ops"].items(), key=lambda kv: -kv[1])]
+    print("\n".join(lines))
+    if args.json:
+        print(json.dumps({"size": args.size, "steps": args.steps, "arms": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
