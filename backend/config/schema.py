@@ -21,7 +21,7 @@ OVERLONG_POLICIES = ("error", "truncate", "drop")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 FUSED_LOGITS_KERNELS = ("none", "liger")
 NONFINITE_POLICIES = ("stop", "skip")
-MEMORY_METERS = ("auto", "on", "off")
+MEMORY_METERS = ("auto", "always", "never")  # not on / off: YAML reads those as booleans
 WANDB_MODES = ("online", "offline", "disabled")
 PRECISIONS = ("auto", "fp32", "bf16")
 BATCH_LAYOUTS = LAYOUTS  # train.dynamic_batch_layout: padded | packed
@@ -241,7 +241,7 @@ class TrainConfig:
     memory_limit_gib: float = 0.0
     # Fraction of memory_limit_gib kept free with max_tokens_per_gpu=auto.
     memory_margin: float = 0.1
-    # peak_memory_bytes in every step row: on, off, or auto (on CUDA, where the allocator counts
+    # peak_memory_bytes in every step row: always, never, or auto (on CUDA, where the allocator counts
     # for free; on CPU, where a dispatch mode counts every operator's tensors, in python -m
     # backend.train and with max_tokens_per_gpu=auto, not in an RL worker's steps).
     memory_meter: str = "auto"

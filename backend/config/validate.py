@@ -137,10 +137,10 @@ def _auto_budget_errors(t, world_size: int) -> list[str]:
         errors.append(f"train.memory_limit_gib={t.memory_limit_gib}: must be >= 0 (0 = the device's capacity)")
     if not 0 <= t.memory_margin < 1:
         errors.append(f"train.memory_margin={t.memory_margin}: must be in [0, 1)")
-    if t.memory_meter == "off" and t.max_tokens_per_gpu == "auto":
+    if t.memory_meter == "never" and t.max_tokens_per_gpu == "auto":
         errors.append(
-            "train.memory_meter=off with train.max_tokens_per_gpu=auto: the measured budget checks every step's "
-            "peak against its prediction; set train.memory_meter to auto or on"
+            "train.memory_meter=never with train.max_tokens_per_gpu=auto: the measured budget checks every step's "
+            "peak against its prediction; set train.memory_meter to auto or always"
         )
     return errors
 
@@ -308,7 +308,9 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors: list[str] = []
     for key, allowed in _CHOICES.items():
         if get(cfg, key) not in allowed:
-            errors.append(f"{key}={get(cfg, key)!r}: allowed values are {', '.join(allowed)}")
+            value = get(cfg, key)
+            hint = " (YAML reads on, off, yes and no as booleans)" if str(value) in ("True", "False") else ""
+            errors.append(f"{key}={value!r}: allowed values are {', '.join(allowed)}{hint}")
     for key in _POSITIVE:
         if get(cfg, key) < 1:
             errors.append(f"{key}={get(cfg, key)}: must be >= 1")

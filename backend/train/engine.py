@@ -267,7 +267,7 @@ class Engine:
         """Whether each step's peak memory is measured (``train.memory_meter``)."""
         mode = cfg.train.memory_meter
         if mode != "auto":
-            return mode == "on"
+            return mode == "always"
         return device.type == "cuda" or cfg.train.max_tokens_per_gpu == "auto" or cls.meter_cpu_by_default
 
     def check_memory(self, data: StepData, peak: int) -> dict:

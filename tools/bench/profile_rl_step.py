@@ -9,7 +9,7 @@ plan (parsing, planning, plan checks), forward + backward + update, the weight s
 generator, and the rest of the loop (rows, advantages, metrics). Arms:
 
 - ``now``: as shipped;
-- ``+meter``: ``train.memory_meter=on`` (the CPU meter's dispatch mode on every operator);
+- ``+meter``: ``train.memory_meter=always`` (the CPU meter's dispatch mode on every operator);
 - ``+fsdp``: FSDP2 wrapping the one-rank model (``uses_fsdp`` forced true);
 - ``+per_sequence``: the dense-mask and one-call-per-sequence SDPA paths (``CAUSAL_FAST_PATHS``);
 - ``+n_prefills``: each prompt prefilled once per sample (``share_prompt_prefill``);
@@ -92,7 +92,7 @@ def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], o
         "checkpoint.interval=0",
         f"logger.run_dir={run_dir}",
         "logger.log_interval=1000000",
-        f"train.memory_meter={'on' if 'meter' in changes else 'auto'}",
+        f"train.memory_meter={'always' if 'meter' in changes else 'auto'}",
     ]
     env = init_from_config(validate(load_config(config, overrides), world_size=1, from_memory=True))
     worker = PolicyWorker.from_config(config, overrides, env=env)
