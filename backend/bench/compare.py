@@ -58,7 +58,9 @@ def worker(argv: list[str]) -> int:
     from backend.train.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = validate(load_config(config, [*overrides, "checkpoint.resume=false", "logger.wandb.enable=false"]), world)
+    # the arms' peaks are part of the record: measured whatever the config says
+    keys = [*overrides, "checkpoint.resume=false", "logger.wandb.enable=false", "train.memory_meter=always"]
+    cfg = validate(load_config(config, keys), world)
     env = init_from_config(cfg)
     try:
         trainer = Trainer(cfg, env)

@@ -185,7 +185,8 @@ class ParallelConfig:
     # stream) over the TP ranks too, so every row aligns to 2 x cp x tp tokens (tp at cp 1) and a
     # microbatch is priced over cp x tp GPUs. false keeps them whole on every TP rank.
     sequence_parallel: bool = True
-    # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group.
+    # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group (one
+    # rank in FP32: none, the plain module; BF16 keeps FSDP2 for its mixed precision).
     data_parallel_wrapper: str = "fsdp"
     # Process-group backend: "auto" is nccl on CUDA, gloo on CPU.
     backend: str = "auto"
@@ -283,7 +284,7 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW (torch.optim.AdamW) over the FSDP2-sharded parameters."""
+    """AdamW (torch.optim.AdamW) over the FSDP2-sharded parameters (one FP32 rank: the plain ones)."""
 
     # Peak learning rate (after warm-up; see scheduler).
     lr: float = 3e-4

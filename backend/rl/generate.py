@@ -67,6 +67,11 @@ def checked_stream(
         raise KeyError(f"generator: the weight stream lacked {len(missing)} parameter(s): {', '.join(missing[:5])}")
 
 
+#: Uniforms drawn per prompt and row UNIFORM_CHUNK tokens at a time (one call per prompt then,
+#: not per token; 64 x 8 bytes a row held, not max_new_tokens x 8).
+UNIFORM_CHUNK = 64
+
+
 def inverse_cdf_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [rows, vocab]: the first id whose cumulative probability
     (summed in FP64, so ids of probability 1e-12 keep their share) exceeds ``uniforms`` [rows]
@@ -187,10 +192,7 @@ class HFGenerator:
         if any(not len(p) for p in prompts):
             raise ValueError("an empty prompt: give at least one token")
         rngs = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
-        if self.sampler == "inverse_cdf":  # every uniform a prompt's samples need, from its own generator
-            uniforms = torch.cat(
-                [torch.rand(n, max_new_tokens, generator=r, dtype=torch.float64, device=self.device) for r in rngs]
-            )
+        uniforms = None  # inverse_cdf: UNIFORM_CHUNK tokens' uniforms a row at a time, each prompt's from its generator
         longest = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], dtype=torch.long, device=self.device)
         mask = torch.tensor(
@@ -226,7 +228,12 @@ class HFGenerator:
             logp = torch.log_softmax(logits / temperature, dim=-1)
             probs = logp.exp()
             if self.sampler == "inverse_cdf":
-                token = inverse_cdf_rows(probs, uniforms[:, t])
+                if t % UNIFORM_CHUNK == 0:
+                    steps = min(UNIFORM_CHUNK, max_new_tokens - t)
+                    uniforms = torch.cat(
+                        [torch.rand(n, steps, generator=r, dtype=torch.float64, device=self.device) for r in rngs]
+                    )
+                token = inverse_cdf_rows(probs, uniforms[:, t % UNIFORM_CHUNK])
             else:
                 token = sample_rows(probs, rngs, n)
             tokens.append(token)

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import math
 import numbers
+import os
 import queue
 import sys
 import threading
@@ -60,13 +61,17 @@ def load_reward(spec: str) -> Callable:
 
 
 class _Batch:
-    """A batch of reward calls: the values so far, the first error, when the last call returned."""
+    """A batch of reward calls and how far the thread got: the values so far, the first error, the
+    call under way and when it started, and whether the caller gave up on the batch."""
 
     def __init__(self, fn: Callable, calls: Sequence[tuple]) -> None:
         self.fn, self.calls = fn, list(calls)
         self.values: list = []
         self.error: BaseException | None = None
-        self.last = time.perf_counter()  # when the call under way started (the one before returned)
+        # (index of the call under way, when it started), one tuple so it is read whole; while the
+        # thread is in that call its index equals len(values)
+        self.progress = (0, time.perf_counter())
+        self.cancelled = False  # set by the caller on a timeout or an interrupt: make no more calls
         self.done = threading.Event()
 
 
@@ -75,7 +80,8 @@ class _RewardThread:
     hand-over per batch (the caller sleeps until the batch ends or a call overruns), not a
     thread's start and join per call (64 of those a step were 8 ms of the tiny GRPO demo's 60 ms
     step). A call that does not return in time keeps its thread, which is then abandoned (daemon:
-    it dies with the process) and the next batch gets a new one."""
+    it dies with the process; its batch is cancelled, so it makes no further call once the hung
+    one returns) and the next batch gets a new one."""
 
     def __init__(self) -> None:
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -84,35 +90,49 @@ class _RewardThread:
     def _serve(self) -> None:
         while True:
             batch: _Batch = self.tasks.get()
-            batch.last = time.perf_counter()
             try:
-                for args in batch.calls:
+                for i, args in enumerate(batch.calls):
+                    if batch.cancelled:
+                        break
+                    batch.progress = (i, time.perf_counter())
                     batch.values.append(batch.fn(*args))
-                    batch.last = time.perf_counter()
             except BaseException as e:  # handed to the caller's thread; the batch stops there
                 batch.error = e
             batch.done.set()
 
     def results(self, fn: Callable, calls: Sequence[tuple], timeout_s: float) -> list[tuple[str, object]]:
-        """("value", v) of each call in order, up to the first ("error", e) or ("timeout", None):
-        a call that has not returned ``timeout_s`` seconds after the one before it did."""
+        """("value", v) of each call in order, up to the first ("error", e) or ("timeout",
+        seconds): a call that has not returned ``timeout_s`` seconds after it started."""
         batch = _Batch(fn, calls)
         self.tasks.put(batch)
-        timed_out = False
-        while not batch.done.wait(max(0.0, batch.last + timeout_s - time.perf_counter())):
-            if time.perf_counter() - batch.last >= timeout_s:
-                timed_out = True
-                break
-        out: list[tuple[str, object]] = [("value", v) for v in list(batch.values)]
-        if timed_out:
-            out.append(("timeout", None))
-        elif batch.error is not None:
+        try:
+            while not batch.done.wait(max(0.0, batch.progress[1] + timeout_s - time.perf_counter())):
+                current, started = batch.progress
+                overrun = time.perf_counter() - started
+                if overrun >= timeout_s and len(batch.values) == current:  # still in that call
+                    batch.cancelled = True
+                    values = batch.values[:current]
+                    return [("value", v) for v in values] + [("timeout", overrun)]
+        except BaseException:  # an interrupt while waiting: the batch is given up
+            batch.cancelled = True
+            raise
+        out: list[tuple[str, object]] = [("value", v) for v in batch.values]
+        if batch.error is not None:
             out.append(("error", batch.error))
         return out
 
 
 _worker: _RewardThread | None = None
 _worker_lock = threading.Lock()
+
+
+def _forget_worker() -> None:
+    """A forked child has no thread behind the parent's queue: it starts its own."""
+    global _worker
+    _worker = None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _results(fn: Callable, calls: Sequence[tuple], timeout_s: float) -> Iterator[tuple[str, object]]:
@@ -130,7 +150,11 @@ def _results(fn: Callable, calls: Sequence[tuple], timeout_s: float) -> Iterator
     with _worker_lock:  # one batch at a time: a second caller would queue behind a hung call
         if _worker is None:
             _worker = _RewardThread()
-        done = _worker.results(fn, calls, timeout_s)
+        try:
+            done = _worker.results(fn, calls, timeout_s)
+        except BaseException:
+            _worker = None  # interrupted: its thread may still be in the user's function
+            raise
         if done and done[-1][0] == "timeout":
             _worker = None  # stuck in the user's function: abandoned, the next batch starts another
     yield from done
@@ -139,21 +163,18 @@ def _results(fn: Callable, calls: Sequence[tuple], timeout_s: float) -> Iterator
 def score_all(fn: Callable, spec: str, calls: Sequence[tuple[str, str, dict, str]], *, timeout_s: float = 0.0):
     """``fn(prompt, response, row)`` of each (prompt, response, row, where) as finite floats, in
     order, or a ``RewardError`` on the first call that fails, saying why (``timeout_s`` > 0: also
-    when a call has not returned that many seconds after the one before it)."""
+    when a call has not returned that many seconds after it started)."""
     out = []
-    start = time.perf_counter()
     for (kind, value), (_, _, _, where) in zip(_results(fn, [c[:3] for c in calls], timeout_s), calls):
         if kind == "timeout":
             raise RewardError(
-                f"rl.reward={spec}: no result after {time.perf_counter() - start:.1f} s (rl.reward_timeout_s="
-                f"{timeout_s:g}) on {where}"
+                f"rl.reward={spec}: no result after {value:.1f} s (rl.reward_timeout_s={timeout_s:g}) on {where}"
             )
         if kind == "error":
             if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit: not the reward's error
                 raise value
             raise RewardError(f"rl.reward={spec}: raised {type(value).__name__}: {value} (on {where})") from value
         out.append(_checked(value, spec, where))
-        start = time.perf_counter()
     return out
 
 

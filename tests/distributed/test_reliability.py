@@ -144,9 +144,11 @@ def test_no_fsdp_view_warning_on_a_one_row_microbatch():
         "import warnings, torch; warnings.simplefilter('always');"
         "from backend.config import load_config; from backend.distributed.setup import init_distributed;"
         "from backend.model.forward import token_losses; from backend.model.factory import build_model;"
+        "import backend.distributed.fsdp as fsdp; fsdp.uses_fsdp = lambda env, *, bf16: True;"  # as over ranks
         "env = init_distributed(1); cfg = load_config(None, ['model.hidden_size=64', 'model.num_layers=1']);"
         "m = build_model(cfg, env, tokenizer_vocab=256).model;"
         "t = torch.randint(0, 256, (1, 16)); p = torch.arange(16)[None];"
+        "assert isinstance(m, fsdp.FSDPModule);"
         "token_losses(m, t, t, p, torch.ones(1, 16, dtype=torch.bool)).sum().backward(); print('ran')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend.distributed.fsdp import full_tensor
 from tests.distributed.harness import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -49,7 +50,7 @@ def backend_vs_sdpa(rank: int, world: int, backend: str, layout: str = "padded")
         loss = (losses * batch.loss_weight).sum() / batch.loss_mask.sum()
         loss.backward()
         out[name] = losses.detach()[batch.valid].cpu()
-        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]).cpu()
+        grads[name] = torch.cat([full_tensor(p.grad).reshape(-1) for p in model.parameters()]).cpu()
     out["fwd_diff"] = float((out["sdpa"] - out[backend]).abs().max())
     g0, g1 = grads["sdpa"], grads[backend]
     out["grad_cos"] = float(torch.dot(g0, g1) / (g0.norm() * g1.norm()))
@@ -127,7 +128,7 @@ def oss_backend_vs_sdpa(rank: int, world: int, backend: str, precision: str):
                 break
             ((per_token * batch.loss_weight).sum() / batch.loss_mask.sum()).backward()
             losses[name] = per_token.detach()[batch.valid].float().cpu()
-            grads[name] = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in model.parameters()]).cpu()
+            grads[name] = torch.cat([full_tensor(p.grad).reshape(-1).double() for p in model.parameters()]).cpu()
         if layout in out:  # refused
             continue
         diff = (losses["sdpa"] - losses[backend]).abs()
@@ -232,7 +233,7 @@ def liger_vs_chunked(rank: int, world: int):
         loss = microbatch_loss_sum(model, batch, env, normaliser=1000)
         (loss / 1000).backward()
         out[name] = float(loss)
-        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()]).cpu()
+        grads[name] = torch.cat([full_tensor(p.grad).reshape(-1) for p in model.parameters()]).cpu()
         if name == "liger":
             half = batch.to(env.device)
             half.loss_weight = half.loss_weight * 0.5

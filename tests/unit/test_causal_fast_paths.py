@@ -91,6 +91,9 @@ def test_causal_groups_cover_every_real_place_once_and_bound_the_padding():
         assert len(gather) == g * longest and len(real) <= len(gather)
     # the 300 and 290 share a group; the short ones do not pad to 300
     assert sorted(longest for _, longest, _, _ in groups) == [12, 300]
+    # a sequence of no token is left out (its places, none, read nothing)
+    groups, order = sdpa.causal_groups([0, 5], [0, 0], row=6)
+    assert [(g, n, gather) for g, n, gather, _ in groups] == [(1, 5, [0, 1, 2, 3, 4])] and order == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("lengths", [(7, 7, 7), (1, 30, 12, 29)])
@@ -188,3 +191,22 @@ def test_reward_calls_in_one_thread_keep_their_order_and_name_the_failing_call()
     for timeout in (5, 0):
         with pytest.raises(RewardError, match=r"raised ValueError: no \(on sample 2\)"):
             score_all(reward, "r.py:reward", bad, timeout_s=timeout)
+
+
+def test_a_timed_out_batch_makes_no_further_call_and_names_the_hung_one():
+    import time
+
+    called = []
+
+    def reward(prompt, response, row):
+        called.append(response)
+        if response == "slow":
+            time.sleep(1.0)
+        return 1.0
+
+    calls = [("p", r, {}, f"sample {i}") for i, r in enumerate(["a", "slow", "b", "c"])]
+    with pytest.raises(RewardError, match=r"no result after 0\.[3-9] s \(rl.reward_timeout_s=0.3\) on sample 1"):
+        score_all(reward, "r.py:reward", calls, timeout_s=0.3)
+    assert score_all(reward, "r.py:reward", [("p", "d", {}, "sample 0")], timeout_s=5) == [1.0]  # a new thread
+    time.sleep(1.2)  # the hung call has returned by now: its batch was cancelled
+    assert called == ["a", "slow", "d"]

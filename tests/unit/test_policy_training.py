@@ -92,8 +92,17 @@ def _grad_of(model, data, env, loss_cfg) -> tuple[dict, torch.Tensor]:
     return out, _grad(model)
 
 
-def test_a_forward_only_pass_leaves_the_next_gradient_unchanged(world, policy_model):
-    cfg, dataset, model = policy_model
+def test_a_forward_only_pass_leaves_the_next_gradient_unchanged(world, policy_model, monkeypatch):
+    """FSDP2's root module keeps its parameters unsharded after a forward with no backward; the
+    reshard in ``forward_only`` puts them back. FSDP2 wraps the model here as over several ranks
+    (one FP32 rank alone trains the plain module, where the bug cannot arise)."""
+    from backend.distributed import fsdp
+
+    cfg, dataset, _ = policy_model
+    monkeypatch.setattr(fsdp, "uses_fsdp", lambda env, *, bf16: True)
+    _, tok = build_dataset(cfg.data, row_fields(cfg.loss))
+    model = build_model(cfg, world, tokenizer_vocab=tok.vocab_size).model
+    assert isinstance(model, fsdp.FSDPModule)
     _, before = _grad_of(model, _window(dataset, cfg, world), world, cfg.loss)
     fill_logprobs(model, _window(dataset, cfg, world).microbatches, world, "old_logprobs")
     _, after = _grad_of(model, _window(dataset, cfg, world), world, cfg.loss)

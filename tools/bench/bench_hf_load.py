@@ -107,7 +107,9 @@ def worker(hf_dir: str, out: str) -> int:
         start = time.perf_counter()
         built = build_model(cfg, env, tokenizer_vocab=256, training=False)
         seconds = time.perf_counter() - start
-        local = sum(p.to_local().numel() * p.element_size() for p in built.model.parameters())
+        local = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in built.model.parameters()
+        )
         mine = {
             "rank": env.rank,
             "load_s": seconds,

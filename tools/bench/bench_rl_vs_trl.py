@@ -11,9 +11,10 @@ no weight decay: TRL's defaults, ours set to them), learning rate 5e-3 constant,
 
 Reported per arm: the median seconds a step over the steps after the first (ours: ``loop_step_s``,
 the step's whole wall time: generation, scoring, rows, training, weight sync; TRL: its trainer's
-step callbacks, which enclose its generation), the generation and training parts (ours also the
-weight sync), the start-up (process start to the first step, with teardown: the process's wall
-less its steps), the reward curve and its gain (mean of the last 3 steps less the first 3).
+step callbacks, which enclose its generation), its generation and the rest (everything else:
+scoring, advantages, rows, training, and ours the weight sync, also shown alone), the start-up
+(process start to the first step, with teardown: the process's wall less its steps), the reward
+curve and its gain (mean of the last 3 steps less the first 3).
 Per size: ours / TRL of the medians pooled over the seeds, and the reward gains' means.
 
     python tools/bench/bench_rl_vs_trl.py [--sizes tiny,medium] [--seeds 0] [--steps 10] [--json]
@@ -68,7 +69,7 @@ def run_ours(model_dir: Path, run_dir: Path, args, seed: int) -> dict:
         {
             "step": r["loop_step_s"],
             "generate": r["generate_s"],
-            "train": r["step_time_s"] + r.get("logprobs_s", 0.0),
+            "rest": r["loop_step_s"] - r["generate_s"],  # scoring, rows, training, sync, metrics
             "sync": r.get("weight_sync_s", 0.0),
         }
         for r in rows
@@ -84,7 +85,7 @@ def _summary(parts: list[dict], rewards: list[float], proc_wall: float) -> dict:
         "s_per_step": statistics.median(p["step"] for p in warm),
         "step_s": [p["step"] for p in parts],
         "generate_s": statistics.median(p["generate"] for p in warm),
-        "train_s": statistics.median(p["train"] for p in warm),
+        "rest_s": statistics.median(p["rest"] for p in warm),
         "sync_s": statistics.median(p["sync"] for p in warm),
         "startup_s": proc_wall - sum(p["step"] for p in parts),
         "rewards": rewards,
@@ -156,7 +157,7 @@ def run_trl(model_dir: Path, out: Path, args, seed: int) -> dict:
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TRL_JSON "))[9:])
     t = result["timing"]
     steps_s = [b - a for a, b in zip(t["step_start"], t["step_end"])]
-    parts = [{"step": s, "generate": g, "train": s - g, "sync": 0.0} for g, s in zip(t["generate"], steps_s)]
+    parts = [{"step": s, "generate": g, "rest": s - g, "sync": 0.0} for g, s in zip(t["generate"], steps_s)]
     return _summary(parts, result["rewards"], proc_wall=time.time() - start)
 
 
@@ -167,7 +168,7 @@ def pooled(runs: list[dict]) -> dict:
     return {
         "s_per_step": statistics.median(steps),
         "generate_s": statistics.median(r["generate_s"] for r in runs),
-        "train_s": statistics.median(r["train_s"] for r in runs),
+        "rest_s": statistics.median(r["rest_s"] for r in runs),
         "sync_s": statistics.median(r["sync_s"] for r in runs),
         "startup_s": statistics.median(r["startup_s"] for r in runs),
         "reward_gain": statistics.mean(r["reward_gain"] for r in runs if r["reward_gain"] is not None)
@@ -179,7 +180,7 @@ def pooled(runs: list[dict]) -> dict:
 
 def _table(results: dict) -> str:
     lines = [
-        f"{'size':<8} {'arm':<5} {'s/step':>8} {'generate':>9} {'train':>8} {'sync':>7} {'start-up':>9} "
+        f"{'size':<8} {'arm':<5} {'s/step':>8} {'generate':>9} {'rest':>8} {'sync':>7} {'start-up':>9} "
         f"{'ours/TRL':>9} {'reward gain':>12}"
     ]
     for size, arms in results.items():
@@ -188,7 +189,7 @@ def _table(results: dict) -> str:
             ratio = arms["ratio"] if name == "ours" else 1.0
             gain = r["reward_gain"]
             lines.append(
-                f"{size:<8} {name:<5} {r['s_per_step']:>8.3f} {r['generate_s']:>9.3f} {r['train_s']:>8.3f} "
+                f"{size:<8} {name:<5} {r['s_per_step']:>8.3f} {r['generate_s']:>9.3f} {r['rest_s']:>8.3f} "
                 f"{r['sync_s']:>7.3f} {r['startup_s']:>9.2f} {ratio:>8.2f}x "
                 f"{gain if gain is not None else float('nan'):>12.3f}"
             )

@@ -208,7 +208,8 @@ def metrics_page() -> str:
         "# Metrics reference",
         "",
         "Every key a `metrics.jsonl` row can hold (the same numbers go to wandb). A row holds the",
-        "keys of what the run does: the first group always, the others with their feature.",
+        "keys of what the run does: the first group always (peak_memory_bytes where train.memory_meter measures), "
+        "the others with their feature.",
         "",
     ]
     for title, rows in GROUPS.items():

@@ -116,12 +116,12 @@ def causal_groups(lengths: list[int], starts: list[int], row: int) -> tuple[list
     """Sequences of a packed row batched by length for the causal kernel (pure arithmetic).
 
     ``lengths`` / ``starts``: each sequence's real tokens and first place in the row of ``row``
-    places. Returns the groups, each (g, L, gather, real): ``gather`` the g x L row places to
+    places (a sequence of no token is left out). Returns the groups, each (g, L, gather, real): ``gather`` the g x L row places to
     read (a sequence's places, then its last real place repeated as padding), ``real`` the
     places of that [g x L] batch holding real tokens (in order); and ``order``, for each row
     place, its index in the concatenation of every group's real outputs followed by one zero
     (places no sequence covers: padding)."""
-    by_length = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    by_length = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -lengths[i])
     groups, current, squares = [], [], 0
     for i in by_length:
         n = lengths[i]
