@@ -219,8 +219,11 @@ def test_the_loops_rollouts_do_not_depend_on_the_number_of_ranks(results):
         assert {k: a[k] for k in ("input_ids", "loss_mask", "advantages")} == {
             k: b[k] for k in ("input_ids", "loss_mask", "advantages")
         }
-        # the sampler's numbers: weights trained at dp 1 and dp 2 differ by FP32 rounding only
-        assert np.allclose(a["rollout_logprobs"], b["rollout_logprobs"], rtol=0, atol=1e-5, equal_nan=True)
+        # the sampler's numbers: weights trained at dp 1 and dp 2 differ by FP32 rounding only, and
+        # each rank prefills its own prompts, left-padded to its own longest (measured 2.0e-5 on
+        # log-probabilities near -5: 4e-6 relative)
+        diff = np.nanmax(np.abs(np.asarray(a["rollout_logprobs"]) - np.asarray(b["rollout_logprobs"])))
+        assert diff <= 5e-5, diff
     assert len({tuple(r["input_ids"]) for r in one}) > 5  # real samples, not one repeated
 
 

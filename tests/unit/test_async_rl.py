@@ -54,7 +54,9 @@ def test_k1_learns_with_every_row_one_version_behind(tmp_path):
     rows = _run(tmp_path / "k1", "rl.max_staleness=1")
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert [r["staleness_max"] for r in rows] == [0] + [1] * 29  # step 1 samples version 0, the policy's own
-    assert all(r["sync_probe_max_abs_diff"] <= 1e-6 for r in rows)  # the process holds the trainer's weights
+    # the process holds the trainer's weights: the two implementations' FP32 rounding only, which
+    # grows with the weights (measured up to 1.3e-6 by step 30); a stale engine is off by 1e-3 or more
+    assert all(r["sync_probe_max_abs_diff"] <= 1e-5 for r in rows)
     assert all(r["weight_sync_bytes"] > 0 and r["trainer_idle_s"] >= 0 for r in rows)
     first, last = np.mean([r["reward_mean"] for r in rows[:5]]), np.mean([r["reward_mean"] for r in rows[-5:]])
     assert last > 4 * max(0.01, first), [r["reward_mean"] for r in rows]

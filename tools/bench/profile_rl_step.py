@@ -21,7 +21,10 @@ operators grouped: matmuls, attention,
 normalisation and activations, optimizer, sampling, copies, collectives, the autograd engine's
 own time, views and allocations, other element-wise operators, the rest.
 
-    python tools/bench/profile_rl_step.py [--size tiny] [--steps 10] [--ops] [--json]
+``--trl`` adds TRL's ``GRPOTrainer`` on the same model and task (its step, generation and the
+rest; with ``--ops`` its operators beside ours).
+
+    python tools/bench/profile_rl_step.py [--size tiny] [--steps 10] [--ops] [--trl] [--json]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.bench.rl_task import REPO, SIZES, build_model
+from backend.bench.rl_task import OP_GROUPS, PROMPTS, REPO, REWARD, SIZES, build_model, op_groups, run_trl
 
 ARMS = {
     "now": (),
@@ -47,65 +50,6 @@ ARMS = {
     "before": ("meter", "fsdp", "per_sequence", "n_prefills", "multinomial"),
 }
 PHASES = ("generate", "reward", "rows_to_plan", "train", "weight_sync", "loop_rest")
-OP_GROUPS = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
-    ("attention", ("scaled_dot_product", "flash_attention")),
-    ("norm_activation", ("rms_norm", "silu", "aten::pow", "aten::rsqrt", "aten::mean")),
-    ("optimizer", ("Optimizer.step", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt")),
-    ("sampling", ("aten::rand", "exponential", "multinomial", "searchsorted", "cumsum", "log_softmax")),
-    ("copies", ("aten::copy_", "aten::cat", "aten::index", "aten::clone", "aten::contiguous", "aten::_to_copy")),
-    ("collectives", ("c10d::", "gloo", "all_gather", "reduce_scatter", "all_reduce")),
-    ("autograd_engine", ("autograd::engine", "Backward")),
-    (
-        "views_alloc",
-        (
-            "aten::empty",
-            "aten::view",
-            "as_strided",
-            "transpose",
-            "aten::slice",
-            "aten::select",
-            "aten::reshape",
-            "aten::permute",
-            "aten::expand",
-            "aten::unsqueeze",
-            "aten::squeeze",
-            "aten::t",
-            "aten::detach",
-            "aten::alias",
-            "aten::zeros",
-            "aten::ones",
-            "aten::full",
-            "aten::fill_",
-            "aten::zero_",
-        ),
-    ),
-    (
-        "elementwise",
-        (
-            "aten::add",
-            "aten::mul",
-            "aten::div",
-            "aten::sub",
-            "aten::neg",
-            "aten::exp",
-            "aten::log",
-            "aten::where",
-            "aten::masked_fill",
-            "aten::sum",
-            "aten::max",
-            "aten::gather",
-            "aten::eq",
-            "aten::ne",
-            "aten::lt",
-            "aten::ge",
-            "aten::isin",
-            "aten::any",
-            "aten::all",
-            "aten::clamp",
-        ),
-    ),
-)
 
 
 def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], ops: bool) -> dict:
@@ -159,20 +103,11 @@ def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], o
         out = {"rows": rows}
         if profiler is not None:
             profiler.__exit__(None, None, None)
-            out["ops"] = _op_groups(profiler.key_averages(), steps)
+            out["ops"] = op_groups(profiler.key_averages(), steps)
         return out
     finally:
         worker.close()
         shutdown_distributed()
-
-
-def _op_groups(averages, steps: int) -> dict:
-    """Self CPU seconds a step by operator group (a name matching none is "other")."""
-    out = {name: 0.0 for name, _ in OP_GROUPS} | {"other": 0.0}
-    for event in averages:
-        group = next((g for g, keys in OP_GROUPS if any(k in event.key for k in keys)), "other")
-        out[group] += event.self_cpu_time_total / 1e6 / steps
-    return out
 
 
 def phases(row: dict) -> dict:
@@ -217,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--ops", action="store_true", help="the now arm's operators by group (torch.profiler)")
+    p.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer beside us (the trl extra)")
     p.add_argument("--out", default="runs/profile_rl_step")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -225,6 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: run_arm(model_dir, out / args.size, name, args.steps, False) for name in args.arms.split(",")}
     if args.ops:  # a run of its own: the profiler's cost stays out of the timed arms
         results.setdefault("now", {})["ops"] = run_arm(model_dir, out / args.size, "now", args.steps, True)["ops"]
+    trl = None
+    if args.trl:  # the same model, task and settings (bench_rl_vs_trl's), the first step left out as ours
+        task = argparse.Namespace(
+            steps=args.steps + 1, prompts=PROMPTS, reward=REWARD, prompts_per_step=8, samples=8, new_tokens=8
+        )
+        trl = run_trl(model_dir, out / args.size / "trl", task, 0)
+        if args.ops:
+            trl["ops"] = run_trl(model_dir, out / args.size / "trl_ops", task, 0, ops=True)["ops"]
+    print(_table(args, results, trl))
+    if args.json:
+        print(json.dumps({"size": args.size, "steps": args.steps, "arms": results, "trl": trl}))
+    return 0
+
+
+def _table(args, results: dict, trl: dict | None) -> str:
     base = results["now"] if "step" in results.get("now", {}) else None
     head = f"{'arm':<14} {'step':>7} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'vs now':>8}"
     lines = [f"{args.size}: seconds a step (median over {args.steps} steps, one thread)", head]
@@ -233,14 +184,21 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ratio = f"{r['step'] / base['step']:>7.2f}x" if base else ""
         lines.append(f"{name:<14} {r['step']:>7.4f} " + " ".join(f"{r[p]:>12.4f}" for p in PHASES) + f" {ratio:>8}")
-    if "ops" in results.get("now", {}):
-        lines.append("now, self CPU seconds a step by operator group (under torch.profiler, which slows small ops):")
-        ops = results["now"]["ops"]
-        lines += [f"  {g:<16} {s:>8.4f}" for g, s in sorted(ops.items(), key=lambda kv: -kv[1])]
-    print("\n".join(lines))
-    if args.json:
-        print(json.dumps({"size": args.size, "steps": args.steps, "arms": results}))
-    return 0
+    if trl is not None:
+        ratio = f" ({trl['s_per_step'] / base['step']:.2f}x our now)" if base else ""
+        lines.append(
+            f"TRL GRPOTrainer: step {trl['s_per_step']:.4f}{ratio}, generate {trl['generate_s']:.4f}, "
+            f"the rest {trl['s_per_step'] - trl['generate_s']:.4f} (scoring, advantages, training)"
+        )
+    ops = {name: r["ops"] for name, r in (("ours", results.get("now", {})), ("TRL", trl or {})) if "ops" in r}
+    if ops:
+        lines.append("self CPU seconds a step by operator group (under torch.profiler, which slows small ops):")
+        lines.append(f"  {'group':<16} " + " ".join(f"{name:>8}" for name in ops))
+        groups = [g for g, _ in OP_GROUPS] + ["other"]
+        for g in sorted(groups, key=lambda g: -max(o[g] for o in ops.values())):
+            lines.append(f"  {g:<16} " + " ".join(f"{o[g]:>8.4f}" for o in ops.values()))
+        lines.append(f"  {'total':<16} " + " ".join(f"{sum(o.values()):>8.4f}" for o in ops.values()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
