@@ -199,24 +199,15 @@ class HFGenerator:
             [[0] * (longest - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=self.device
         )
         positions = (mask.cumsum(1) - 1).clamp_min(0)
-        if self.share_prompt_prefill:  # each prompt once, its KV cache then repeated for its n samples
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._last_only
-            )
-            past = getattr(out, self._cache_key)
+        # each prompt once and its KV cache then repeated for its n samples, or the n copies prefilled
+        copies = 1 if self.share_prompt_prefill else n
+        ids, mask, positions = (t.repeat_interleave(copies, dim=0) for t in (ids, mask, positions))
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **self._last_only)
+        past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
+        if copies == 1:
             past.batch_repeat_interleave(n)
-            logits = out.logits[:, -1, :].float().repeat_interleave(n, dim=0)
+            logits = logits.repeat_interleave(n, dim=0)
             mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
-        else:
-            mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
-            out = self.model(
-                input_ids=ids.repeat_interleave(n, dim=0),
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **self._last_only,
-            )
-            past, logits = getattr(out, self._cache_key), out.logits[:, -1, :].float()
         rows = len(prompts) * n
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)

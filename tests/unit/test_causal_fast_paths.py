@@ -152,18 +152,9 @@ def test_inverse_cdf_draws_each_id_at_its_probability_and_never_a_zero():
 
 
 def test_a_prompt_prefilled_once_samples_what_n_prefills_sample():
-    from transformers import Qwen3Config
+    from tests.helpers.hf_tiny import tiny_hf_config
 
-    cfg = Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-    ).to_dict()
+    cfg = tiny_hf_config("qwen3").to_dict()
     torch.manual_seed(0)
     gen = HFGenerator(cfg, stop_token_ids=[3])
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]

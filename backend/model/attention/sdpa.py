@@ -116,8 +116,9 @@ def causal_groups(lengths: list[int], starts: list[int], row: int) -> tuple[list
     """Sequences of a packed row batched by length for the causal kernel (pure arithmetic).
 
     ``lengths`` / ``starts``: each sequence's real tokens and first place in the row of ``row``
-    places (a sequence of no token is left out). Returns the groups, each (g, L, gather, real): ``gather`` the g x L row places to
-    read (a sequence's places, then its last real place repeated as padding), ``real`` the
+    places (a sequence of no token is left out). Returns the groups, each (g, L, gather, real):
+    ``gather`` the g x L row places to read (a sequence's places, then its last real place
+    repeated as padding), ``real`` the
     places of that [g x L] batch holding real tokens (in order); and ``order``, for each row
     place, its index in the concatenation of every group's real outputs followed by one zero
     (places no sequence covers: padding)."""
@@ -154,8 +155,8 @@ def _grouped_plan(ctx: AttentionContext, device) -> tuple[list[tuple], torch.Ten
     """``causal_groups`` of the microbatch's packed row (CP 1) as index tensors, built once."""
 
     def build():
-        lengths, segments = ctx.segments()
-        starts = [sum(segments[:i]) for i in range(len(segments))]
+        lengths, _ = ctx.segments()
+        starts = ctx.cu_seqlens_padded.tolist()[:-1]  # each sequence's first place in the row (CP 1)
         groups, order = causal_groups(lengths, starts, ctx.positions.shape[1])
         as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
         return [(g, n, as_index(gather), as_index(real)) for g, n, gather, real in groups], as_index(order)
