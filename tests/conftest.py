@@ -77,6 +77,6 @@ def world():
     saved = dict(os.environ)
     env = init_distributed(1)
     yield env
-    shutdown_distributed()
+    shutdown_distributed(env)
     os.environ.clear()
     os.environ.update(saved)

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
     finally:
-        shutdown_distributed()
+        shutdown_distributed(env)
     return 0
 
 

@@ -126,7 +126,7 @@ def worker(argv: list[str]) -> int:
         if env.is_main:
             torch.save(record, out)
     finally:
-        shutdown_distributed()
+        shutdown_distributed(env)
     return 0
 
 

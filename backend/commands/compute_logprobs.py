@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                             f.write(json.dumps({"index": i, "logprobs": [float(x) for x in lp]}) + "\n")
                 print(f"wrote log-probabilities of {len(samples)} samples to {args.output} (checkpoint: {ckpt})")
         finally:
-            shutdown_distributed()
+            shutdown_distributed(env)
         return 0
 
     return run_main(run)

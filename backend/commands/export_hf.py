@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from e
         finally:
-            shutdown_distributed()
+            shutdown_distributed(env)
         print(f"wrote {out}")
         return 0
 

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             print(result.summary())
             for tokens, area, peak in result.points:
                 print(f"  probe: {tokens:>9,.0f} tokens, {area:>13,.0f} attention pairs: {peak / 2**20:>9,.1f} MiB")
-    shutdown_distributed()
+    shutdown_distributed(env)
     return 0
 
 

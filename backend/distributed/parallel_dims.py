@@ -197,6 +197,11 @@ class ParallelDims:
         self._built.update(built)
         return self
 
+    def release(self) -> None:
+        """Forget the groups and meshes (at teardown: a group referenced here keeps its gloo
+        threads running after it is destroyed; ``teardown``)."""
+        self._built.clear()
+
     def group(self, purpose: str):
         """The process group for ``purpose`` (see the module docstring; None: a dimension of size 1)."""
         if purpose not in GROUPS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from backend.megatron_compat import import_megatron_module
 
 from .collectives import all_gather_objects
 from .parallel_dims import ParallelDims
+from .teardown import end_process_groups
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +177,16 @@ def init_from_config(cfg) -> ParallelEnv:
     )
 
 
-def shutdown_distributed() -> None:
-    ps = import_megatron_module("megatron.core.parallel_state")
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(env: ParallelEnv | None = None, *, agree: bool | None = None) -> None:
+    """Leave the world in order (``teardown.end_process_groups``: every rank agrees it is done,
+    megatron-core's groups, the sub-groups, then the default group). ``env``: the world's
+    ``ParallelEnv``, whose group table is emptied first so that its groups can be freed now.
+    ``agree``: barrier first (default: when no exception is in flight)."""
+    if agree is None:
+        agree = sys.exc_info()[0] is None
+    if env is not None:
+        env.dims.release()
+    end_process_groups(agree=agree)
 
 
 def describe_world(env: ParallelEnv) -> list[dict]:

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     w.close()
             if hasattr(generator, "close"):  # an engine that tears down process groups of its own (vLLM)
                 generator.close()
-            shutdown_distributed()
+            shutdown_distributed(env)
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0
 
     return run_main(run)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import multiprocessing
 import os
 import queue
@@ -235,7 +236,7 @@ class RemoteGenerator:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
-        self.group = None
+        self.group = self.store = None  # the peer has exited and nothing is in flight: freed (threads joined) now
 
 
 def _reader(conn, inbox: queue.Queue) -> None:
@@ -290,7 +291,9 @@ def _child_main(conn, spec: dict) -> None:
         idle += time.perf_counter() - waited
         kind = message[0]
         try:
-            if kind == "close":
+            if kind == "close":  # no broadcast is in flight: end the group now, threads joined, then exit
+                del group, store
+                gc.collect()
                 return
             if kind == "weights":
                 stream = _received(group, plan, metadata, device, buffer)

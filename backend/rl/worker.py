@@ -136,7 +136,7 @@ class TrainerWorker:
             engine = Engine(cfg, env)
         except BaseException:
             if owns:
-                shutdown_distributed()
+                shutdown_distributed(env)
             raise
         return cls(engine, owns_world=owns)
 
@@ -247,7 +247,7 @@ class TrainerWorker:
         for lock in self.trainer.locks:
             lock.release()
         if self.owns_world:
-            shutdown_distributed()
+            shutdown_distributed(self.env)
 
     def __enter__(self) -> PolicyWorker:
         return self

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             if wandb_run is not None:
                 wandb_run.finish()
         finally:
-            shutdown_distributed()
+            shutdown_distributed(env)
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0
 
     return run_main(run)

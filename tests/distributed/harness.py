@@ -20,6 +20,8 @@ def free_port() -> int:
 def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
+    from backend.distributed.teardown import end_process_groups
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -32,9 +34,8 @@ def _entry(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple,
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # in order: the ranks agree they are done (unless this one failed), sub-groups first
+        end_process_groups()
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *args, timeout: float = 240.0, backend: str = "gloo") -> list:

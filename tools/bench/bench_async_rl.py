@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(generator, "close"):
                 generator.close()
             worker.close()
-        shutdown_distributed()
+        shutdown_distributed(env)
 
     def mean(k, key):
         values = [r[key] for r in rows[k] if key in r]

@@ -125,7 +125,7 @@ def worker(hf_dir: str, out: str) -> int:
         if env.is_main:
             Path(out).write_text(json.dumps(ranks))
     finally:
-        shutdown_distributed()
+        shutdown_distributed(env)
     return 0
 
 

@@ -137,7 +137,7 @@ def _worker(args) -> int:
             }
             print("BENCH_JSON " + json.dumps(row))
     finally:
-        shutdown_distributed()
+        shutdown_distributed(env)
     return 0
 
 

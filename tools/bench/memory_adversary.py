@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print("every step at or under its prediction" if ok else "a step measured over its prediction")
         if args.json:
             print(json.dumps({"ok": ok, "phases": phases}))
-    shutdown_distributed()
+    shutdown_distributed(env)
     return 0 if ok else 1
 
 

@@ -107,7 +107,7 @@ def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], o
         return out
     finally:
         worker.close()
-        shutdown_distributed()
+        shutdown_distributed(env)
 
 
 def phases(row: dict) -> dict:
