@@ -38,8 +38,11 @@ class NoUsableCheckpointError(CheckpointError):
     pass
 
 
-def resume_latest(ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env) -> dict | None:
-    """Restore the newest loadable checkpoint in ``ckpt_dir`` in place; its metadata, or None."""
+def resume_latest(
+    ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env, unread: tuple[str, ...] = ()
+) -> dict | None:
+    """Restore the newest loadable checkpoint in ``ckpt_dir`` in place; its metadata, or None.
+    ``unread``: config keys the driver never reads, whose changes are allowed (``diff_resume_config``)."""
     candidates = complete_checkpoints(ckpt_dir)
     tried: list[str] = []
     for path in reversed(candidates):
@@ -49,7 +52,7 @@ def resume_latest(ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env) -> d
         except CheckpointError as e:
             reason = str(e)
         if reason is None:
-            _check_config(meta, cfg, path)
+            _check_config(meta, cfg, path, unread)
             try:
                 load_checkpoint(
                     path,
@@ -83,8 +86,8 @@ def resume_latest(ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env) -> d
     return None
 
 
-def _check_config(meta: dict, cfg, path: Path) -> None:
-    diff = diff_resume_config(meta.get("config") or {}, dataclasses.asdict(cfg))
+def _check_config(meta: dict, cfg, path: Path, unread: tuple[str, ...] = ()) -> None:
+    diff = diff_resume_config(meta.get("config") or {}, dataclasses.asdict(cfg), unread=unread)
     for line in diff.summary():
         log.info("resume %s: %s", path.name, line)
     if diff.refused:

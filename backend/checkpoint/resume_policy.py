@@ -189,8 +189,10 @@ def classify(key: str) -> tuple[bool, str]:
     return False, "a key the resume policy does not classify yet (backend/checkpoint/resume_policy.py)"
 
 
-def diff_resume_config(old: dict, new: dict) -> ResumeDiff:
-    """Compare the checkpoint's config (``old``) with this run's (``new``). Pure; never raises."""
+def diff_resume_config(old: dict, new: dict, *, unread: tuple[str, ...] = ()) -> ResumeDiff:
+    """Compare the checkpoint's config (``old``) with this run's (``new``). Pure; never raises.
+    ``unread``: keys this run's driver never reads (an RL worker's ``train.global_batch_size``: its
+    windows are the rows handed over), allowed and reported whatever their class."""
     flat_old, flat_new = flatten(old), flatten(new)
     diff = ResumeDiff()
     for key in sorted(flat_old.keys() | flat_new.keys()):
@@ -207,7 +209,7 @@ def diff_resume_config(old: dict, new: dict) -> ResumeDiff:
             diff.reasons[key] = "no longer a config key"
             diff.notes.append(f"{key}: in the checkpoint's config ({before!r}) but no longer a key; ignored")
             continue
-        allowed, reason = classify(key)
+        allowed, reason = (True, "not read by this run's driver") if key in unread else classify(key)
         diff.reasons[key] = reason
         (diff.allowed if allowed else diff.refused).append((key, before, after))
     return diff

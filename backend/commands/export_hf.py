@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Export one of our checkpoints as a Hugging Face model directory (safetensors, no custom code).
 
-    python tools/export_hf.py runs/qwen3/checkpoints/step_00001000 --output exported/qwen3-sft \\
+    python tools/export_hf.py runs/qwen3 --output exported/qwen3-sft \\
         [--config runs/qwen3/config.yaml] [--dtype bf16|fp32] [--max-shard-size 5GB] [dotted.key=value ...]
 
 Writes config.json, model.safetensors (or model-0000i-of-0000N.safetensors + index, cut at
 --max-shard-size) and the tokenizer / chat-template files of the run's model.hf_checkpoint (or
-data.tokenizer directory). ``AutoModelForCausalLM.from_pretrained(OUTPUT)`` loads it. --config
+data.tokenizer directory). ``AutoModelForCausalLM.from_pretrained(OUTPUT)`` loads it. The
+checkpoint may be a step directory (``<run>/checkpoints/step_00001000``), or a run directory or
+its ``checkpoints/`` (the newest complete step). --config
 defaults to the run's config.yaml two levels above the step directory (<run>/checkpoints/step_*).
 Overrides apply to that config, e.g. ``model.hf_checkpoint=''`` when the imported checkpoint has
 moved (its architecture is in config.yaml; tokenizer files are then not copied).
@@ -37,9 +39,35 @@ def _find_config(step_dir: Path) -> Path | None:
     return None
 
 
+def locate(path: Path) -> tuple[Path, Path | None]:
+    """(the step directory to export, the run's config.yaml or None) for what the user gave: a
+    step directory, a checkpoints directory or a run directory (each of the last two: its newest
+    complete step). Raises UserError naming the path when there is nothing to export there."""
+    import yaml
+
+    from backend.checkpoint.store import STEP_DIR, complete_checkpoints
+    from backend.errors import UserError
+
+    if not path.exists():
+        raise UserError(f"{path}: no such directory (give a run directory, its checkpoints/ or a step_* in it)")
+    if STEP_DIR.match(path.name):
+        return path, _find_config(path)
+    root, config = path, None
+    if (path / "config.yaml").is_file():  # a run directory: its checkpoint.dir, else <run>/checkpoints
+        config = path / "config.yaml"
+        saved = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
+        root = Path(saved.get("dir") or path / "checkpoints")
+    steps = complete_checkpoints(root)
+    if not steps:
+        raise UserError(f"{path}: no complete checkpoint (a step_* directory with its metadata) in {root}")
+    return steps[-1], config or _find_config(steps[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a step_* checkpoint directory")
+    p.add_argument(
+        "checkpoint", help="a step_* checkpoint directory, or a run or checkpoints directory (its newest step)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the run's config")
     p.add_argument("--config", help="the run's config.yaml (default: found beside the checkpoint directory)")
     p.add_argument("--output", required=True, help="the Hugging Face directory to write (new or empty)")
@@ -50,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from backend.config import ConfigError, load_config, validate
+    from backend.errors import UserError
 
-    step_dir = Path(args.checkpoint)
-    config = Path(args.config) if args.config else _find_config(step_dir)
+    try:
+        step_dir, found = locate(Path(args.checkpoint))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config = Path(args.config) if args.config else found
     if config is None:
         print(f"error: no config.yaml found beside {step_dir}; pass --config RUN/config.yaml", file=sys.stderr)
         return 2
+    if step_dir != Path(args.checkpoint):
+        print(f"exporting {step_dir} (the newest complete checkpoint)", file=sys.stderr)
     try:
         cfg = validate(
             load_config(
@@ -77,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.checkpoint.hf_export import export_checkpoint
     from backend.distributed.setup import init_distributed, shutdown_distributed
-    from backend.errors import UserError, run_main
+    from backend.errors import run_main
 
     def run() -> int:
         env = init_distributed(1, cfg.parallel.backend)

@@ -61,6 +61,28 @@ _ROPE_REQUIRED = {
 }
 
 
+#: The weight files of a Hugging Face directory we read (safetensors only: never a pickle).
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weights_problem(hf_dir: str | Path) -> str | None:
+    """Why ``hf_dir`` has no weights we would read (None when it has ``model.safetensors`` or a
+    sharded index): checked where the config is resolved, so a ``.bin``-only directory is one
+    error line from ``--print-config`` instead of a traceback after the model is built."""
+    d = Path(hf_dir)
+    if (d / SAFETENSORS_INDEX).is_file() or (d / SAFETENSORS_SINGLE).is_file():
+        return None
+    pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    if pickles:
+        return (
+            f"{d}: safetensors only: never unpickles .bin ({', '.join(pickles)}); convert it with a trusted tool "
+            f"to {SAFETENSORS_SINGLE} first (transformers: AutoModelForCausalLM.from_pretrained(DIR)"
+            ".save_pretrained(NEW_DIR))"
+        )
+    return f"{d}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in this directory"
+
+
 class HFConfigError(ValueError):
     """A config.json this backend cannot represent faithfully; the message names the field and file."""
 

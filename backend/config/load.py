@@ -6,6 +6,9 @@ set. OmegaConf in struct mode rejects unknown keys; every error names the dotted
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from .errors import ConfigError
 from .resolve import resolve
 from .schema import Config
+
+log = logging.getLogger(__name__)
 
 
 def _allowed_keys(dotted: str) -> str:
@@ -28,6 +33,60 @@ def _allowed_keys(dotted: str) -> str:
     if not dataclasses.is_dataclass(node):
         return ""
     return ", ".join(f.name for f in dataclasses.fields(node))
+
+
+def _schema_node(dotted_parent: str):
+    """The schema dataclass at ``dotted_parent`` ('' = the top level), or None where the path leaves
+    the dataclasses (a dict- or list-valued field holds keys of the user's own)."""
+    node: object = Config()
+    for part in filter(None, dotted_parent.split(".")):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node if dataclasses.is_dataclass(node) else None
+
+
+def _unknown_key_errors(layers: list[tuple[str, DictConfig]]) -> list[str]:
+    """Every key of every layer that the schema does not have, each with its source and, where a
+    close one exists, "did you mean" (difflib over the section's keys, and over every dotted key
+    for a key in the wrong section); and every quoted string given to a true/false key."""
+    everywhere = sorted(_leaf_keys(OmegaConf.structured(Config)))
+    errors = []
+    for source, layer in layers:
+        for key in sorted(_leaf_keys(layer)):
+            parts = key.split(".")
+            for depth in range(1, len(parts) + 1):
+                parent, name = ".".join(parts[: depth - 1]), parts[depth - 1]
+                node = _schema_node(parent)
+                if node is None:  # inside a free-form field: not ours to check
+                    break
+                fields = [f.name for f in dataclasses.fields(node)]
+                if name in fields:
+                    if depth == len(parts) and isinstance(getattr(node, name), bool):
+                        value = OmegaConf.select(layer, key, throw_on_missing=False)
+                        if isinstance(value, str):  # OmegaConf would read "no", "off", "0" as False
+                            errors.append(
+                                f"{source}: bad value for '{key}': {value!r} is a string; write true or false "
+                                "(unquoted: a quoted 'no' would otherwise read as false)"
+                            )
+                    continue
+                bad = ".".join(parts[:depth])
+                close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+                if close:
+                    hint = f"did you mean '{'.'.join([*parts[: depth - 1], close[0]])}'?"
+                else:
+                    moved = (
+                        difflib.get_close_matches(bad, everywhere, n=1, cutoff=0.75)
+                        or [k for k in everywhere if k.rsplit(".", 1)[-1] == name][:1]
+                    )
+                    hint = (
+                        f"did you mean '{moved[0]}'?"
+                        if moved
+                        else f"allowed keys in '{parent or '<top level>'}': {', '.join(fields)}"
+                    )
+                errors.append(f"{source}: unknown config key '{bad}' ({hint})")
+                break
+    return errors
 
 
 def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
@@ -118,6 +177,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     layers = _layers(path, overrides)
+    unknown = _unknown_key_errors(layers)  # every misspelled key at once, before the first merge stops
+    if unknown:
+        raise ConfigError("\n".join(unknown) if len(unknown) == 1 else "invalid config:\n  " + "\n  ".join(unknown))
     for source, layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer)
@@ -133,7 +195,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         resolved = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _explain(e, "config") from None
-    return resolve(resolved, _explicit(layers))
+    cfg = resolve(resolved, _explicit(layers))
+    warmup, iters = cfg.scheduler.warmup_iters, cfg.train.train_iters
+    if warmup > iters and os.environ.get("RANK", "0") == "0":  # a short test run may mean it: said, not refused
+        log.warning(
+            "warning: scheduler.warmup_iters=%d is longer than the run (train.train_iters=%d): the learning rate stops at "
+            "%.3g of optimizer.lr=%g and never reaches it; set scheduler.warmup_iters <= %d",
+            warmup,
+            iters,
+            iters / warmup,
+            cfg.optimizer.lr,
+            iters,
+        )
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

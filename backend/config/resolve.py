@@ -12,10 +12,11 @@ their schema defaults are simply replaced, and 0 / null keep meaning "derive it"
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .errors import ConfigError
-from .hf import FIELDS, GPT_OSS_FIELDS, HFConfigError, check_against_explicit, read_hf_config
+from .hf import FIELDS, GPT_OSS_FIELDS, HFConfigError, check_against_explicit, read_hf_config, weights_problem
 from .schema import Config, RopeScalingConfig
 
 #: Our model keys that config.json determines (``backend.config.hf.FIELDS`` minus model_type).
@@ -39,8 +40,18 @@ def hf_architecture(hf_dir: str) -> tuple[dict, RopeScalingConfig]:
 def _apply_hf_checkpoint(cfg: Config, explicit: set[str]) -> None:
     m = cfg.model
     if not Path(m.hf_checkpoint).is_dir():
-        raise ConfigError(f"model.hf_checkpoint={m.hf_checkpoint!r}: no such directory")
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", m.hf_checkpoint) and not m.hf_checkpoint.startswith(".")
+        hint = (
+            "; it looks like a Hugging Face Hub id: download it first (huggingface-cli download "
+            f"{m.hf_checkpoint} --local-dir DIR) and give DIR"
+            if hub
+            else ""
+        )
+        raise ConfigError(f"model.hf_checkpoint={m.hf_checkpoint!r}: no such directory{hint}")
     arch, scaling = hf_architecture(m.hf_checkpoint)
+    problem = weights_problem(m.hf_checkpoint)
+    if problem:
+        raise ConfigError(f"model.hf_checkpoint={m.hf_checkpoint!r}: {problem}")
     expected = dict(arch) | {f"rope_scaling.{k}": v for k, v in vars(scaling).items()}
     given = {}
     for key in sorted(k for k in explicit if k.removeprefix("model.") in expected and k.startswith("model.")):

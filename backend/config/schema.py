@@ -194,8 +194,9 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    # "embedded" (the standard library's source, built on first use), a JSONL file, or the
-    # prefix of a Megatron .bin/.idx pair.
+    # "embedded" (the standard library's source, built on first use), a JSONL file (text,
+    # input_ids or chat messages rows), a Parquet file or a directory of them, an Arrow directory
+    # (datasets' save_to_disk), or the prefix of a Megatron .bin/.idx pair.
     path: str = "embedded"
     # auto: model.hf_checkpoint's tokenizer when that is set, else byte; "byte" (built in, no
     # files); or the path of a Hugging Face tokenizer.json (or the directory holding one).

@@ -75,6 +75,21 @@ def build_dataset(data_cfg, fields: RowFields = CROSS_ENTROPY) -> tuple[LengthLi
     return LengthLimitedDataset(base, data_cfg.max_seq_length, data_cfg.overlong), tokenizer
 
 
+def check_data_path(path: str) -> None:
+    """The checks on ``data.path`` that need only the file system (``--print-config`` runs them, as
+    a real start does before reading a row): a missing file or a path of no known format."""
+    if path == "embedded":
+        return
+    if path.endswith((".jsonl", ".parquet")) and not Path(path).is_file():
+        raise DataNotFoundError(f"data.path: no such file {path}")
+    if path.endswith(".jsonl") or is_arrow_source(path) or indexed_exists(path):
+        return
+    raise DataNotFoundError(
+        f"data.path={path!r}: expected 'embedded', a .jsonl file, a .parquet file, a directory of .parquet "
+        f"shards or of datasets' save_to_disk, or the prefix of a .bin/.idx pair"
+    )
+
+
 def check_indexed_vocabulary(base: IndexedTokenDataset, tokenizer, spec: str, probes: int = 64) -> None:
     """Refuse a .bin/.idx pair written for a larger vocabulary than the tokenizer's (its ids would
     index past the embedding: an IndexError on CPU, a device-side assert on CUDA), and, when the

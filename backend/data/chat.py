@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backend.data.jsonl import DataFormatError
+from backend.data.jsonl import DataFormatError, parse_json_line
 from backend.data.sample import Sample
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -221,10 +221,7 @@ def read_chat_jsonl(path: str | Path, renderer: ChatRenderer) -> Iterator[Sample
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            row = parse_json_line(line, where)
             if not isinstance(row, dict) or "messages" not in row:
                 raise DataFormatError(f"{where}: expected an object with 'messages'")
             for ids, mask in renderer.render_turns(row["messages"], where):

@@ -75,10 +75,25 @@ def jsonl_rows(path: str | Path) -> Iterator[tuple[str, object]]:
                 line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield where, parse_json_line(line, where)
+
+
+def parse_json_line(line: str, where: str):
+    """``line`` (its line ending left out) decoded, or a DataFormatError at ``where`` that says what
+    is wrong in words: a line that ends inside a string or before its closing bracket says so
+    (json's own "Invalid control character at" / "Expecting ',' delimiter at column 1" point at
+    the newline, not at the cause)."""
+    line = line.rstrip("\r\n")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        if e.msg.startswith("Unterminated string"):
+            what = f"a string opened at column {e.colno} is never closed (a missing '\"')"
+        elif e.pos >= len(line.rstrip()):
+            what = "the line ends before the JSON value does (a missing closing '}' or ']')"
+        else:
+            what = f"{e.msg} at column {e.colno}"
+        raise DataFormatError(f"{where}: not valid JSON: {what}") from None
 
 
 class RowParser:

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         from backend.train.cli import print_resolved
 
-        return run_main(lambda: print_resolved(cfg))
+        return run_main(lambda: check_loop_config(cfg) or print_resolved(cfg))  # the prompts file, the reward
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.print_config:
-        return run_main(lambda: print_resolved(cfg))
+    if args.print_config:  # the file checks a real start makes too, then the config
+        from backend.data.build import check_data_path
+
+        return run_main(lambda: check_data_path(cfg.data.path) or print_resolved(cfg))
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(

@@ -172,7 +172,9 @@ class Engine:
         self.wandb_run_id = None
         self.resumed_meta: dict | None = None  # the checkpoint's meta.json when this run resumed
         if cfg.checkpoint.resume and (
-            meta := resume_latest(self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env)
+            meta := resume_latest(
+                self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env, unread=self.unread_keys()
+            )
         ):
             self.step = meta["step"]
             self.resumed_meta = meta
@@ -237,6 +239,16 @@ class Engine:
     def stream_metrics(self) -> dict:
         """The driver's per-step numbers (waiting for data, forward-only passes)."""
         return {}
+
+    def samples_per_step(self) -> int:
+        """The start-up summary's samples per optimizer step. Rows handed over in memory: what the
+        GRPO loop hands over, rl.prompts_per_step x rl.samples_per_prompt (train.global_batch_size is
+        not read: a summary saying 64 where the loop trains 16 misled a user)."""
+        return self.cfg.rl.prompts_per_step * self.cfg.rl.samples_per_prompt
+
+    def unread_keys(self) -> tuple[str, ...]:
+        """Config keys this driver never reads: a resume allows (and reports) their changes."""
+        return ("train.global_batch_size",)
 
     # The engine.
     def resolve_budget(self, cfg):
@@ -345,7 +357,7 @@ class Engine:
             "logits_chunk_tokens": cfg.model.logits_chunk_tokens,
             **self.describe_data(),
             "max_seq_length": cfg.data.max_seq_length,
-            "global_batch_size": cfg.train.global_batch_size,
+            "global_batch_size": self.samples_per_step(),
             "batching": {
                 "dynamic": cfg.train.dynamic_batch_enable,
                 "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu,

@@ -85,6 +85,12 @@ class Trainer(Engine):
         self.window_source.quiesce()  # the window in preparation keeps the old plan on every rank
         self.windows.planner = self.planner
 
+    def samples_per_step(self) -> int:
+        return self.cfg.train.global_batch_size
+
+    def unread_keys(self) -> tuple[str, ...]:
+        return ()
+
     def describe_data(self) -> dict:
         report, source = self.dataset.report, self.dataset.source
         if getattr(self.dataset, "note", ""):

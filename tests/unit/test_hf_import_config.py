@@ -100,14 +100,16 @@ def test_missing_and_unexpected_tensors_are_named(world, tiny_hf, tmp_path):
 
 
 def test_pickle_only_checkpoint_is_refused_unopened(world, tiny_hf, tmp_path):
-    from backend.model.hf.safetensors_io import HFCheckpointError
+    from backend.model.hf.safetensors_io import HFCheckpoint, HFCheckpointError
     from tests.helpers.hf_tiny import build_from_hf
 
     hf_dir = _copy(tiny_hf, "qwen3", tmp_path / "m")
     (hf_dir / "model.safetensors").unlink()
     (hf_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not a pickle we would ever open")
+    with pytest.raises(ConfigError, match=r"safetensors only: never unpickles .bin \(pytorch_model.bin\)"):
+        build_from_hf(hf_dir, world)  # refused when the config loads, before any model is built
     with pytest.raises(HFCheckpointError, match=r"safetensors only: never unpickles .bin \(pytorch_model.bin\)"):
-        build_from_hf(hf_dir, world)
+        HFCheckpoint(hf_dir)
 
 
 @pytest.mark.parametrize(

@@ -23,13 +23,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from backend.config.hf import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, weights_problem
+from backend.errors import CheckpointError
+
+SINGLE = SAFETENSORS_SINGLE
+INDEX = SAFETENSORS_INDEX
 #: 5 GB, transformers' default shard size.
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(CheckpointError, ValueError):
     """A weights directory we refuse or a tensor we cannot find; names the files and tensors."""
 
 
@@ -58,13 +61,7 @@ class HFCheckpoint:
             with safe_open(str(single), framework="pt") as f:
                 self.location = dict.fromkeys(f.keys(), single)
         else:
-            pickles = sorted(p.name for p in self.dir.glob("*.bin")) + sorted(p.name for p in self.dir.glob("*.pt"))
-            if pickles:
-                raise HFCheckpointError(
-                    f"{self.dir}: safetensors only: never unpickles .bin ({', '.join(pickles)}); "
-                    "convert it with a trusted tool to model.safetensors first"
-                )
-            raise HFCheckpointError(f"{self.dir}: no {SINGLE} or {INDEX} in this directory")
+            raise HFCheckpointError(weights_problem(self.dir))
 
     # ---- reading ---------------------------------------------------------------------------------
 
