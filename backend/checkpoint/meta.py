@@ -138,8 +138,20 @@ def check_sampler_state(data: Any, file: str | Path, where: str) -> dict:
 def _check_sampler(data: Any, bad, where: str) -> None:
     """A window sampler's state (``{'sampler': {consumed, seed, ...}}``), each value in range."""
     sampler = data.get("sampler") if isinstance(data, dict) and set(data) == {"sampler"} else None
-    if not isinstance(sampler, dict) or set(sampler) != set(_SAMPLER):
+    if not isinstance(sampler, dict) or set(sampler) - {"blend"} != set(_SAMPLER):
         raise bad(f"has a {where} state that is not {{'sampler': {{{', '.join(_SAMPLER)}}}}}")
+    if "blend" in sampler:  # data.blend's sampler: its sources' sizes and normalised weights
+        blend = sampler["blend"]
+        sizes, weights = (blend.get("sizes"), blend.get("weights")) if isinstance(blend, dict) else (None, None)
+        if (
+            set(blend or {}) != {"sizes", "weights"}
+            or not isinstance(sizes, list)
+            or not isinstance(weights, list)
+            or len(sizes) != len(weights)
+            or not all(type(n) is int and 0 < n <= MAX_COUNT for n in sizes)
+            or not all(type(w) is float and 0 < w <= 1 for w in weights)
+        ):
+            raise bad(f"has a {where}.sampler.blend that is not {{sizes: [counts], weights: [fractions]}}")
     for key, kind in _SAMPLER.items():
         value = sampler[key]
         if type(value) is not kind or (kind is int and not -MAX_COUNT <= value <= MAX_COUNT):

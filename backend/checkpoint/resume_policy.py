@@ -74,6 +74,7 @@ MISSING = _Missing()
 # Keys refused outright, and the reason shown.
 _REFUSED_KEYS = {
     "data.path": "the data set",
+    "data.blend": "the blended data sets and their weights",
     "data.tokenizer": "the tokens of every sample",
     "data.json_key": "the text of every JSONL sample",
     "data.max_seq_length": "which samples exist and their lengths",

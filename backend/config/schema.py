@@ -193,11 +193,25 @@ class ParallelConfig:
 
 
 @dataclass
+class BlendSource:
+    # A data set in any data.path format.
+    path: str = ""
+    # Its share of the blend (weights are normalised: 0.3 / 0.7 and 3 / 7 blend alike); > 0.
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     # "embedded" (the standard library's source, built on first use), a JSONL file (text,
     # input_ids or chat messages rows), a Parquet file or a directory of them, an Arrow directory
     # (datasets' save_to_disk), or the prefix of a Megatron .bin/.idx pair.
     path: str = "embedded"
+    # A weighted blend instead of data.path: a list of {path, weight} (Megatron's --data-path 0.3 A
+    # 0.7 B). The stream's n-th sample comes from the source furthest behind its weight, so every
+    # window holds each source within one sample of its share; within a source, seeded passes as
+    # with one data set. Exact resume; per-source counts in the summary and in every step row
+    # (blend_samples). Not with data.path set, nor data.valid_fraction (use data.valid_path).
+    blend: list[BlendSource] = field(default_factory=list)
     # auto: model.hf_checkpoint's tokenizer when that is set, else byte; "byte" (built in, no
     # files); or the path of a Hugging Face tokenizer.json (or the directory holding one).
     tokenizer: str = "auto"

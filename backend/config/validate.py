@@ -145,6 +145,30 @@ def _auto_budget_errors(t, world_size: int) -> list[str]:
     return errors
 
 
+def _blend_errors(d) -> list[str]:
+    """data.blend: sources with a path and a weight > 0; not beside data.path or data.valid_fraction."""
+    if not d.blend:
+        return []
+    errors = []
+    if d.path != "embedded":
+        errors.append(
+            f"data.blend: set either data.path ({d.path!r}) or data.blend, not both (data.blend's sources are the data)"
+        )
+    if d.valid_fraction:
+        errors.append(
+            "data.blend: not with data.valid_fraction (a fraction of which source?); set data.valid_path for validation"
+        )
+    paths = [src.path for src in d.blend]
+    for path in sorted({p for p in paths if paths.count(p) > 1}):
+        errors.append(f"data.blend: {path!r} is listed twice (give it one source with the summed weight)")
+    for i, src in enumerate(d.blend):
+        if not src.path:
+            errors.append(f"data.blend[{i}].path: must name a data set")
+        if not (math.isfinite(src.weight) and src.weight > 0):
+            errors.append(f"data.blend[{i}].weight={src.weight}: must be > 0")
+    return errors
+
+
 def _rope_errors(m) -> list[str]:
     r = m.rope_scaling
     if r.rope_type not in _ROPE_REQUIRED:
@@ -361,6 +385,7 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
         )
     if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
         errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
+    errors += _blend_errors(cfg.data)
     if not 0 <= cfg.data.valid_fraction < 1:
         errors.append(f"data.valid_fraction={cfg.data.valid_fraction}: must be in [0, 1)")
     if not 0 < m.norm_epsilon < 1:

@@ -21,6 +21,7 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("padding_efficiency_min_rank", "fraction", "the worst rank's padding efficiency"),
         ("padding_efficiency_this_rank", "fraction", "rank 0's padding efficiency"),
         ("num_microbatches", "count", "microbatches each rank ran (equal on every rank)"),
+        ("blend_samples", "count by source", "data.blend only: the window's samples from each source, by its path"),
         ("num_sequences", "count", "sequences in the window, all ranks"),
         ("empty_microbatches", "count", "microbatch slots a rank ran empty to stay aligned with the others"),
         ("oversize_singletons", "count", "sequences over the budget on their own, run alone (never dropped)"),

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:  # the file checks a real start makes too, then the config
         from backend.data.build import check_data_path
 
-        return run_main(lambda: check_data_path(cfg.data.path) or print_resolved(cfg))
+        paths = [src.path for src in cfg.data.blend] or [cfg.data.path]
+        return run_main(lambda: [check_data_path(p) for p in paths] and print_resolved(cfg))
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(

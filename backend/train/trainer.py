@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 
+from backend.data.blend import BlendSampler, build_blend
 from backend.data.build import build_dataset
 from backend.data.iterator import DataIterator, StepData, bucket_edges_for, planner_from_config
 from backend.data.prefetch import PrefetchingIterator, SyncIterator
@@ -34,6 +35,8 @@ class Trainer(Engine):
 
     def build_data(self, cfg):
         build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
+        if cfg.data.blend:
+            build = functools.partial(build_blend, build=build)
         self.dataset, self.valid, tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
         self.oversampling = oversampling_factor(len(self.dataset), cfg.train.global_batch_size)
         if self.oversampling > 1 and self.env.is_main:
@@ -51,7 +54,12 @@ class Trainer(Engine):
 
     def build_stream(self, cfg) -> None:
         env, loss = self.env, cfg.loss
-        sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
+        if cfg.data.blend:
+            sampler = BlendSampler(
+                self.dataset.sizes, self.dataset.weights, cfg.train.global_batch_size, cfg.train.seed
+            )
+        else:
+            sampler = WindowSampler(len(self.dataset), cfg.train.global_batch_size, cfg.train.seed)
         self.windows = windows = DataIterator(
             self.dataset, sampler, self.planner, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size
         )
@@ -133,7 +141,8 @@ class Trainer(Engine):
 
     def train_one_step(self) -> dict:
         data, data_time = self.next_data()
-        return self.train_window(data, data_time, source=self.dataset.source, report=self.dataset.report)
+        extra = {"blend_samples": self.dataset.source_counts(data.window_ids)} if self.cfg.data.blend else None
+        return self.train_window(data, data_time, source=self.dataset.source, report=self.dataset.report, extra=extra)
 
     def next_data(self) -> tuple[StepData, float]:
         """The next window, planned, collated and checked to agree across ranks; and its seconds."""
