@@ -56,7 +56,7 @@ def sampling_seed(seed: int, step: int, slot: int) -> int:
     return int(np.random.SeedSequence([seed, step, slot]).generate_state(1)[0])
 
 
-def _eos_ids(path: Path) -> list[int]:
+def eos_token_ids(path: Path) -> list[int]:
     """The ``eos_token_id`` (an id or a list of ids) of a Hugging Face JSON file; [] when the file,
     the key or a usable value is missing (then the next source is tried)."""
     try:
@@ -79,7 +79,7 @@ def stop_token_ids(cfg, tokenizer) -> list[int]:
     if cfg.model.hf_checkpoint:
         # generation_config.json first (where chat models list their end-of-turn ids), then config.json
         for name in ("generation_config.json", "config.json"):
-            ids = _eos_ids(Path(cfg.model.hf_checkpoint) / name)
+            ids = eos_token_ids(Path(cfg.model.hf_checkpoint) / name)
             if ids:
                 return ids
     eod = getattr(tokenizer, "eod_id", None)

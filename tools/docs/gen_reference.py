@@ -41,6 +41,7 @@ COMMANDS = (
     ("python tools/compare_arms.py", "backend.commands.compare_arms"),
     ("python tools/compute_logprobs.py", "backend.commands.compute_logprobs"),
     ("python tools/export_hf.py", "backend.commands.export_hf"),
+    ("python tools/generate.py", "backend.commands.generate"),
     ("python tools/verify_checkpoint.py", "backend.commands.verify_checkpoint"),
     ("python tools/plot_metrics.py", "backend.commands.plot_metrics"),
     ("python tools/bench_train.py", "tools.bench_train"),
