@@ -104,10 +104,21 @@ def load_model_weights(model, step_dir: str | Path) -> None:
 
 
 def save_checkpoint(
-    ckpt_dir, step: int, model, optimizer, scheduler, *, env, extra: dict, keep_last: int, files: dict | None = None
+    ckpt_dir,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    env,
+    extra: dict,
+    keep_last: int,
+    files: dict | None = None,
+    protect: frozenset[int] = frozenset(),
 ) -> Path:
     """``files``: name -> bytes that rank 0 writes into the step directory beside the state (a
-    caller's own data, digested and checked on load like every other file)."""
+    caller's own data, digested and checked on load like every other file). ``protect``: steps
+    that ``keep_last`` never removes (``checkpoint.keep_best``'s best step)."""
     root = Path(ckpt_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
@@ -149,9 +160,34 @@ def save_checkpoint(
         os.replace(tmp, final)  # the commit point
         if keep_last:
             for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if int(STEP_DIR.match(old.name).group(1)) not in protect:
+                    shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=env.group("world"))
     return final
+
+
+BEST = "best.json"
+
+
+def read_best(ckpt_dir) -> dict | None:
+    """``checkpoint.keep_best``'s record in ``ckpt_dir`` ({"step", "valid_loss", "path"}), or None
+    when there is none (or it is unreadable: a new best then replaces it)."""
+    path = Path(ckpt_dir) / BEST
+    try:
+        best = json.loads(path.read_text(encoding="utf-8"))
+        return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_best(ckpt_dir, step: int, valid_loss: float) -> dict:
+    """Record ``step`` as the best (atomically: a temporary file renamed over ``best.json``)."""
+    root = Path(ckpt_dir)
+    best = {"step": step, "valid_loss": valid_loss, "path": str(root / f"step_{step:08d}")}
+    tmp = root / f".{BEST}.tmp"
+    tmp.write_text(json.dumps(best), encoding="utf-8")
+    os.replace(tmp, root / BEST)
+    return best
 
 
 def load_checkpoint(

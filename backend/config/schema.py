@@ -352,6 +352,10 @@ class CheckpointConfig:
     interval: int = 0
     # Complete checkpoints to keep (0: all).
     keep_last: int = 2
+    # Also keep the checkpoint of the step with the lowest validation loss (train.eval_interval
+    # steps; a new best is saved at once), beside the last keep_last ones; named in best.json in
+    # checkpoint.dir and in the end summary.
+    keep_best: bool = False
     # Resume from the newest complete checkpoint in dir when there is one.
     resume: bool = True
     # Allow resuming with a different data-parallel size (changes the data order).

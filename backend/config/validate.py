@@ -435,6 +435,10 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
                 f"{key}={value}: must hold at least one aligned row: {smallest} tokens per GPU "
                 f"(a row padded to lcm(train.dynamic_batch_pad_to_multiple, 2*cp*sp) over cp={cp} x sp={dims.sp})"
             )
+    if cfg.checkpoint.keep_best and not t.eval_interval:
+        errors.append(
+            "checkpoint.keep_best: the best step is the one with the lowest valid_loss; set train.eval_interval"
+        )
     if t.eval_interval and not (cfg.data.valid_path or cfg.data.valid_fraction):
         errors.append("train.eval_interval: set data.valid_path or data.valid_fraction to say what to evaluate")
     if t.eval_interval and not (t.forward_max_tokens_per_gpu or t.max_tokens_per_gpu):

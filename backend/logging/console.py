@@ -408,5 +408,8 @@ def format_end_summary(info: dict) -> str:
                 best += f" at step {info['best_valid_step']}"
         rows.append(("valid loss", f"{info['final_valid_loss']:.4f} (final){best}"))
     rows.append(("checkpoint", info.get("checkpoint")))
+    best = info.get("best_checkpoint")
+    if best:  # checkpoint.keep_best
+        rows.append(("best", f"{best['path']} (valid loss {best['valid_loss']:.4f}, step {best['step']})"))
     rows.append(("run dir", info.get("run_dir")))
     return _block(f"run {info.get('status', 'finished')}", rows)

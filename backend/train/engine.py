@@ -25,7 +25,7 @@ from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError
 from backend.checkpoint.metrics_rewind import rewind_metrics
 from backend.checkpoint.resume import resume_latest
 from backend.checkpoint.run_lock import hold_run_dirs
-from backend.checkpoint.store import save_checkpoint
+from backend.checkpoint.store import read_best, save_checkpoint, write_best
 from backend.config import Config, ConfigError, checkpoint_dir, save_config
 from backend.config.run_values import resolve_run_config
 from backend.data.errors import DataError
@@ -202,6 +202,10 @@ class Engine:
         )
         self.num_parameters = built.num_parameters
         self.last_checkpoint: Path | None = None
+        # checkpoint.keep_best: the best step's record (best.json), kept when resumed from a later step
+        self.pending_best: tuple[int, float] | None = None
+        best = read_best(self.ckpt_dir) if cfg.checkpoint.keep_best and self.resumed_meta else None
+        self.best = best if best and best["step"] <= self.step else None
         if env.is_main:
             log.info("%s", format_startup_summary(self.startup_info()))
 
@@ -379,6 +383,7 @@ class Engine:
                 "status": status,
                 "wall_time_s": time.monotonic() - self.metrics.started,
                 "checkpoint": str(self.last_checkpoint or self.ckpt_dir),
+                "best_checkpoint": self.best,
                 "run_dir": str(self.run_dir),
             }
             log.info("%s", format_end_summary(info))
@@ -485,7 +490,14 @@ class Engine:
 
     def should_save(self) -> bool:
         interval = self.cfg.checkpoint.interval
-        return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters
+        new_best = self.pending_best is not None and self.pending_best[0] == self.step  # checkpoint.keep_best
+        return (interval and self.step % interval == 0) or self.step == self.cfg.train.train_iters or new_best
+
+    def note_valid_loss(self, valid_loss: float) -> None:
+        """``checkpoint.keep_best``: a validation loss below the best so far makes this step the
+        best, saved at once (``should_save``) and kept by every later pruning."""
+        if self.cfg.checkpoint.keep_best and (self.best is None or valid_loss < self.best["valid_loss"]):
+            self.pending_best = (self.step, valid_loss)
 
     def save(self, state: dict | None = None, files: dict | None = None) -> Path:
         """A checkpoint of this step. ``state``: the caller's own resumable state (JSON), stored as
@@ -510,7 +522,14 @@ class Engine:
             extra=extra,
             keep_last=self.cfg.checkpoint.keep_last,
             files=files,
+            protect=frozenset([self.best["step"]] if self.best else []),
         )
+        if self.pending_best is not None and self.pending_best[0] == self.step:
+            step, loss = self.pending_best
+            self.best = {"step": step, "valid_loss": loss, "path": str(self.last_checkpoint)}
+            if self.env.is_main:
+                write_best(self.ckpt_dir, step, loss)
+            self.pending_best = None
         return self.last_checkpoint
 
     def resumed_file(self, name: str, limit: int) -> bytes | None:

@@ -135,7 +135,7 @@ class Trainer(Engine):
 
         def after_step() -> None:
             if self.should_evaluate():
-                self.evaluate()
+                self.note_valid_loss(self.evaluate()["valid_loss"])
 
         return run_steps(self, one_step, self.save, after_step)
 
