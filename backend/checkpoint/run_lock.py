@@ -56,6 +56,7 @@ class RunLock:
         return self._lock.is_locked
 
     def acquire(self) -> RunLock:
+        self.created = not self.directory.exists()  # a failed start may remove what it made
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
             self._lock.acquire(timeout=0)
@@ -79,7 +80,10 @@ class RunLock:
         os.replace(tmp, self.holder_path)
         return self
 
-    def release(self) -> None:
+    def release(self, *, discard_if_empty: bool = False) -> None:
+        """Let the directory go. ``discard_if_empty`` (a start that failed): a directory this lock
+        created and that holds nothing but the lock file is removed, so a refused start leaves no
+        empty run directory behind."""
         if not self.held:
             return
         try:
@@ -87,6 +91,13 @@ class RunLock:
                 self.holder_path.unlink(missing_ok=True)
         finally:
             self._lock.release(force=True)
+        if discard_if_empty and getattr(self, "created", False):
+            try:
+                if [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
+                    self.lock_path.unlink()
+                    self.directory.rmdir()
+            except OSError:  # something else appeared, or it went: leave it
+                pass
 
     def __enter__(self) -> RunLock:
         return self.acquire()

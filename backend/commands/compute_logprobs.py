@@ -37,13 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="the YAML config of the model (as for python -m backend.train)")
     p.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides (optional)")
-    p.add_argument("--input", required=True, help="JSONL with text or input_ids per line")
-    p.add_argument("--output", required=True)
+    p.add_argument(
+        "--input", required=True, help="JSONL rows with text (data.json_key), input_ids or chat messages, one per line"
+    )
+    p.add_argument(
+        "--output", required=True, help="the JSONL to write: index/logprobs lines, or the rows with --merge-as"
+    )
     p.add_argument("--checkpoint", help="a step_* checkpoint directory (default: the newest complete one)")
     p.add_argument(
         "--merge-as",
         choices=("old_logprobs", "ref_logprobs", "rollout_logprobs"),
-        help="write the input rows with this field added instead of index/logprobs lines",
+        help="write the input rows with this field (old_logprobs, ref_logprobs or rollout_logprobs) added instead "
+        "of index/logprobs lines",
     )
     p.add_argument(
         "--temperature",
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from backend.config import checkpoint_dir, load_config, validate
+    from backend.data.chat import LazyChatRenderer, chat_template_dir
     from backend.data.errors import DataNotFoundError
     from backend.data.iterator import planner_from_config
     from backend.data.jsonl import read_jsonl
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.input).is_file():
             raise DataNotFoundError(f"--input: no such file {args.input}")
         tokenizer = build_tokenizer(cfg.data.tokenizer)
-        samples = list(read_jsonl(args.input, tokenizer, cfg.data.json_key))
+        chat = LazyChatRenderer(chat_template_dir(cfg.data.tokenizer))  # messages rows: the tokenizer's template
+        samples = list(read_jsonl(args.input, tokenizer, cfg.data.json_key, chat))
         rows = [json.loads(line) for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
         if not cfg.train.forward_max_tokens_per_gpu and not cfg.train.max_tokens_per_gpu:
             raise UserError("set train.forward_max_tokens_per_gpu (or train.max_tokens_per_gpu)")

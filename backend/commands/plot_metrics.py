@@ -128,7 +128,9 @@ def plot_metrics(paths: list[Path], out: str | Path, *, title: str = "") -> Path
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
-    p.add_argument("--out", default="metrics.png", help="the PNG to write")
+    p.add_argument(
+        "--out", default="metrics.png", help="the PNG to write (default: metrics.png in the current directory)"
+    )
     p.add_argument("--title", default="", help="figure title (default: the run labels)")
     args = p.parse_args(argv)
     paths = [resolve(r) for r in args.runs]

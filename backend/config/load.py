@@ -96,6 +96,8 @@ def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
         allowed = _allowed_keys(key)
         return ConfigError(f"{source}: unknown config key '{key}' (allowed keys in '{parent}': {allowed})")
     first_line = str(exc).splitlines()[0]
+    if "Incompatible value 'None'" in first_line:  # `key=` with nothing after it
+        return ConfigError(f"{source}: '{key}' is empty; give it a value ({first_line.split(' for ')[-1]})")
     return ConfigError(f"{source}: bad value for '{key}': {first_line}")
 
 

@@ -65,8 +65,14 @@ def _template_source(tokenizer_dir: Path) -> tuple[str, str]:
             template = named.get("default")
         if isinstance(template, str) and template:
             return template, f"{config} (chat_template)"
+    where = (
+        f"{config} has no 'chat_template' and there is no chat_template.jinja"
+        if config.is_file()
+        else "neither chat_template.jinja nor tokenizer_config.json"
+    )
     raise ChatTemplateError(
-        f"{tokenizer_dir}: no chat template (neither chat_template.jinja nor tokenizer_config.json)"
+        f"{tokenizer_dir}: no chat template ({where}); chat 'messages' rows need a chat model's tokenizer "
+        "(or write plain 'text' rows)"
     )
 
 

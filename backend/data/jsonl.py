@@ -152,7 +152,10 @@ class RowParser:
                 raise DataFormatError(f"{where}: '{json_key}' must be a string")
             tokens = np.asarray(tokenizer.encode(row[json_key]), dtype=np.int64)
         else:
-            raise DataFormatError(f"{where}: no '{json_key}' or 'input_ids' field (keys: {', '.join(row) or 'none'})")
+            raise DataFormatError(
+                f"{where}: no '{json_key}', 'input_ids' or 'messages' field (keys: {', '.join(row) or 'none'}); "
+                f"a row holds text under '{json_key}' (data.json_key), token ids, or chat messages"
+            )
         return [self._sample(row, tokens, where)]
 
     def _sample(self, row: dict, tokens: np.ndarray, where: str) -> Sample:

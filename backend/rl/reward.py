@@ -17,6 +17,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -160,6 +161,16 @@ def _results(fn: Callable, calls: Sequence[tuple], timeout_s: float) -> Iterator
     yield from done
 
 
+def raised_at(error: BaseException, fn: Callable) -> str:
+    """``FILE:LINE`` where ``error`` was raised, in the reward's own file when the traceback passes
+    through it (the line the user fixes), else the innermost frame."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    mine = [f for f in frames if f.filename == own]
+    frame = (mine or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame is not None else "an unknown line"
+
+
 def score_all(fn: Callable, spec: str, calls: Sequence[tuple[str, str, dict, str]], *, timeout_s: float = 0.0):
     """``fn(prompt, response, row)`` of each (prompt, response, row, where) as finite floats, in
     order, or a ``RewardError`` on the first call that fails, saying why (``timeout_s`` > 0: also
@@ -173,7 +184,10 @@ def score_all(fn: Callable, spec: str, calls: Sequence[tuple[str, str, dict, str
         if kind == "error":
             if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit: not the reward's error
                 raise value
-            raise RewardError(f"rl.reward={spec}: raised {type(value).__name__}: {value} (on {where})") from value
+            at = raised_at(value, fn)
+            raise RewardError(
+                f"rl.reward={spec}: raised {type(value).__name__}: {value} at {at} (on {where})"
+            ) from value
         out.append(_checked(value, spec, where))
     return out
 

@@ -21,7 +21,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="backend-train", description=__doc__)
+    module = os.path.basename(sys.argv[0]) == "__main__.py"  # python -m backend.train, not backend-train
+    parser = argparse.ArgumentParser(prog="python -m backend.train" if module else "backend-train", description=__doc__)
     parser.add_argument("config", help="YAML config file")
     parser.add_argument(
         "overrides", nargs="*", default=[], help="dotted.key=value overrides, applied in order (optional)"

@@ -116,6 +116,16 @@ class Engine:
         self.run_dir = Path(cfg.logger.run_dir)
         self.ckpt_dir = checkpoint_dir(cfg)
         self.locks = hold_run_dirs(cfg, env)  # one run per run directory, held for our life
+        try:
+            self._start(cfg, env)
+        except BaseException:  # a failed start leaves no run directory holding only its lock files
+            for lock in self.locks:
+                lock.release(discard_if_empty=True)
+            raise
+
+    def _start(self, cfg: Config, env) -> None:
+        """Everything after the run directories are held: the world's check, data, model,
+        optimizer, budget, planner, stream, resume, metrics and the start-up summary."""
         world = describe_world(env)
         check_world_matches_allocation(world)
         spread = tp_groups_across_nodes(world, env.tp_size) if env.tp_size > 1 else []

@@ -181,3 +181,53 @@ def test_the_rl_summary_and_resume_follow_the_rows_the_loop_trains():
     assert diff_resume_config(old, new).refused  # a data-stream run: another stream
     diff = diff_resume_config(old, new, unread=Engine.unread_keys(None))
     assert not diff.refused and diff.reasons["train.global_batch_size"] == "not read by this run's driver"
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path):
+    run = tmp_path / "new" / "run"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "backend.train",
+            "configs/quickstart.yaml",
+            "data.path=nope.idx",
+            f"logger.run_dir={run}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "data.path='nope.idx'" in out.stderr.strip().splitlines()[-1]
+    assert not run.exists()  # it held only its lock file
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "backend.train",
+            "configs/quickstart.yaml",
+            "data.path=nope.idx",
+            f"logger.run_dir={kept}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and (kept / "notes.txt").read_text() == "mine"  # not ours to remove
+
+
+def test_small_messages_say_what_to_do(tmp_path):
+    from backend.data.chat import ChatTemplateError, _template_source
+
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    with pytest.raises(ChatTemplateError, match=r"tokenizer_config.json has no 'chat_template' and there is no chat"):
+        _template_source(tmp_path)
+    with pytest.raises(ConfigError, match=r"'rl.reward' is empty; give it a value"):
+        load_config(None, ["rl.reward="])
+    help_text = subprocess.run(
+        [sys.executable, "-m", "backend.train", "--help"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+    assert help_text.startswith("usage: python -m backend.train ")

@@ -69,7 +69,7 @@ def test_jsonl_to_bin_idx_round_trip_token_for_token(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"body": "x"}', "no 'text' or 'input_ids' field"),
+        ('{"body": "x"}', "no 'text', 'input_ids' or 'messages' field"),
         ('{"text": 5}', "'text' must be a string"),
         ('{"text": ""}', "has no tokens"),
         ('{"input_ids": [1, "a"]}', "'input_ids' must be a list of integers"),

@@ -103,6 +103,8 @@ def test_a_failing_reward_stops_the_step_naming_it_and_trains_nothing(worker, tm
         loop.step()
     text = str(e.value)
     assert message in text and f"rl.reward={spec}:reward" in text and "prompts.jsonl:" in text
+    if "raise" in body:  # the line in the user's file
+        assert f"at {spec}:2 (on " in text
     assert "nothing of this step was trained" in text
     assert worker.step == before
     assert (len(read_metrics(metrics)[0]) if metrics.exists() else 0) == rows_before
