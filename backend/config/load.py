@@ -179,14 +179,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     layers = _layers(path, overrides)
-    unknown = _unknown_key_errors(layers)  # every misspelled key at once, before the first merge stops
-    if unknown:
-        raise ConfigError("\n".join(unknown) if len(unknown) == 1 else "invalid config:\n  " + "\n  ".join(unknown))
-    for source, layer in layers:
+    errors = _unknown_key_errors(layers)  # every misspelled key at once, before the first merge stops
+    for source, layer in layers if not errors else ():
         try:
             cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as e:
-            raise _explain(e, source) from None
+        except OmegaConfBaseException as e:  # a value of the wrong type: noted, the other layers still merged
+            errors.append(str(_explain(e, source)))
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  " + "\n  ".join(errors))
     missing = _required_unset(layers)  # a recipe's ``???``: the user must say it
     if missing:
         raise ConfigError(

@@ -28,6 +28,13 @@ def test_every_misspelled_key_is_named_at_once_with_a_suggestion():
     assert "unknown config key 'foo' (allowed keys in '<top level>': model, parallel" in text
 
 
+def test_every_bad_value_is_named_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.train_iters=abc", "optimizer.lr=x", "train.seed=1"])
+    text = str(e.value)
+    assert "bad value for 'train.train_iters'" in text and "bad value for 'optimizer.lr'" in text
+
+
 def test_a_quoted_string_for_a_true_false_key_is_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text('train:\n  dynamic_batch_enable: "no"\n')
