@@ -190,39 +190,21 @@ def test_the_rl_summary_and_resume_follow_the_rows_the_loop_trains():
     assert not diff.refused and diff.reasons["train.global_batch_size"] == "not read by this run's driver"
 
 
+def _start(run_dir) -> subprocess.CompletedProcess:
+    """A training start that fails on its data (after the run directory is held)."""
+    cmd = [sys.executable, "-m", "backend.train", "configs/quickstart.yaml", "data.path=nope.idx"]
+    return subprocess.run([*cmd, f"logger.run_dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
+
+
 def test_a_failed_start_leaves_no_run_directory(tmp_path):
     run = tmp_path / "new" / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "backend.train",
-            "configs/quickstart.yaml",
-            "data.path=nope.idx",
-            f"logger.run_dir={run}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    out = _start(run)
     assert out.returncode == 2 and "data.path='nope.idx'" in out.stderr.strip().splitlines()[-1]
     assert not run.exists()  # it held only its lock file
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "backend.train",
-            "configs/quickstart.yaml",
-            "data.path=nope.idx",
-            f"logger.run_dir={kept}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    out = _start(kept)
     assert out.returncode == 2 and (kept / "notes.txt").read_text() == "mine"  # not ours to remove
 
 
