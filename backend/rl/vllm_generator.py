@@ -25,6 +25,14 @@ The optional extra ``vllm`` (CUDA only). Same interface as ``generate.HFGenerato
 - Either way the prefix cache is reset after an update (its KV was computed by the old weights;
   prompts of 128+ tokens reused it), and ``check_weights`` compares the engine's log-probabilities
   of a probe sequence with the trainer's after every sync: a stale engine is an error.
+- No partial prefill on CPU: a step whose prompts together exceed ``max_num_batched_tokens``
+  (4,096 by default: 64 prompts of 66 tokens) has its last request prefilled in chunks, and vLLM
+  then rewinds that request's seeded generator (``gen.set_offset``), which only CUDA generators
+  have ("CPU Generator does not use offset": the step died). On CPU the engine schedules at most
+  ``max_num_seqs`` requests a step with a token budget of ``max_num_seqs x max_model_len``, so
+  every scheduled prompt fits whole (no chunk, no rewind, the same draws for a seed); the budget
+  is kept under ``CPU_TOKEN_BUDGET`` tokens by scheduling fewer requests a step when
+  ``max_model_len`` (``data.max_seq_length``) is long. CUDA keeps vLLM's defaults.
 - Sampling: ``SamplingParams(n, temperature, max_tokens, seed, logprobs=0, top_k/top_p off)``;
   ``logprobs_mode="processed_logprobs"`` makes the returned log-probability of each sampled
   token the one after temperature: what the sampler saw (``rollout_logprobs``).
@@ -46,6 +54,18 @@ import torch
 
 from .generate import Completion, SyncStats, checked_stream
 
+#: The most tokens one CPU engine step may schedule (``max_num_batched_tokens``): 64 requests of
+#: 1,024 tokens. The engine sizes per-token buffers by it (a few bytes to a hidden state a token).
+CPU_TOKEN_BUDGET = 65_536
+
+
+def cpu_scheduling(max_model_len: int, max_num_seqs: int = 64) -> dict:
+    """vLLM engine arguments under which no prompt is prefilled in chunks (module docstring):
+    ``max_num_seqs`` lowered until ``max_num_seqs x max_model_len`` fits ``CPU_TOKEN_BUDGET`` (at
+    least one request), and that product as the token budget."""
+    seqs = max(1, min(max_num_seqs, CPU_TOKEN_BUDGET // max(1, max_model_len)))
+    return {"max_model_len": max_model_len, "max_num_seqs": seqs, "max_num_batched_tokens": seqs * max_model_len}
+
 
 class VLLMGenerator:
     def __init__(
@@ -63,6 +83,8 @@ class VLLMGenerator:
         self.cpu = not torch.cuda.is_available()
         if self.cpu:  # the engine core in this process: the weight stream is consumed in place (module docstring)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            length = engine_kwargs.pop("max_model_len", None) or hf_config["max_position_embeddings"]
+            engine_kwargs = cpu_scheduling(length, engine_kwargs.pop("max_num_seqs", 64)) | engine_kwargs
         dtype = dtype or ("float32" if self.cpu else "bfloat16")
         # on CPU a fraction of host memory for the KV cache (vLLM refuses its default 0.92 there)
         gpu_memory_utilization = gpu_memory_utilization or (0.05 if self.cpu else 0.3)
@@ -95,6 +117,7 @@ class VLLMGenerator:
     def from_worker(cls, worker, **kwargs) -> VLLMGenerator:
         dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
         expected = [(name, shape) for name, _, shape in worker.weight_metadata(dtype)]
+        kwargs.setdefault("max_model_len", worker.cfg.data.max_seq_length)  # prompt + response never exceed it
         return cls(worker.hf_config(dtype), vocab_limit=worker.sampling_vocab, expected=expected, **kwargs)
 
     def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -169,3 +169,20 @@ def test_the_grpo_demo_learns_with_vllm_sampling(tmp_path):
     learned, frozen = ([r["reward_mean"] for r in runs[lr]] for lr in ("5.0e-3", "0"))
     assert np.mean(learned[-5:]) > 0.1 and np.mean(learned[-5:]) > 10 * np.mean(learned[:5]) + 0.01
     assert np.mean(frozen[-5:]) < 0.05
+
+
+def test_a_step_over_the_engines_token_budget_completes_with_its_seeds(loop):
+    """64 prompts of 66 tokens (4,224 > vLLM's default 4,096 batched tokens) with per-request
+    seeds: vLLM's chunked prefill rewound each seeded generator (``set_offset``), which CPU
+    generators lack, and the step died; the engine now schedules whole prompts (``cpu_scheduling``),
+    and a seed gives the same rollouts whatever else is scheduled beside it."""
+    from backend.rl.vllm_generator import cpu_scheduling
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 255, (66,), generator=g).tolist() for _ in range(64)]
+    out = loop.generator.generate_batch(prompts, 2, 0.7, 4, list(range(64)))
+    assert len(out) == 64 and all(len(c) == 2 and len(c[0].token_ids) == 4 for c in out)
+    alone = loop.generator.generate_batch(prompts[5:6], 2, 0.7, 4, [5])
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in out[5]]
+    assert cpu_scheduling(4096) == {"max_model_len": 4096, "max_num_seqs": 16, "max_num_batched_tokens": 65536}
+    assert cpu_scheduling(256)["max_num_batched_tokens"] == 64 * 256
