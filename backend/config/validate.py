@@ -411,11 +411,6 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors += dims.errors(num_moe_experts=m.num_moe_experts, model=m)  # the one place the sizes are checked
     if dims.tp > 1 and ffn_size(m) % dims.tp:
         errors.append(f"parallel.tensor_parallel_size={dims.tp}: must divide the FFN size {ffn_size(m)}")
-    if dims.tp > 1 and cfg.rl.advantage == "gae":
-        errors.append(
-            f"parallel.tensor_parallel_size={dims.tp}: rl.advantage=gae trains a critic, whose one-output value "
-            "head runs with tp 1 (use rl.advantage=grpo, or tp 1)"
-        )
     cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(

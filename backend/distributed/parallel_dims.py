@@ -115,8 +115,9 @@ class ParallelDims:
     def _tp_model_errors(self, num_moe_experts, model) -> list[str]:
         """What TP splits must divide by it: query heads and KV heads (each TP rank keeps
         heads / tp query heads and their query groups; KV heads are split, never replicated, so a
-        model with fewer KV heads than tp is refused), the FFN. Not composed yet, refused by name:
-        MoE (experts with TP), a critic's one-output value head, Liger's fused kernel."""
+        model with fewer KV heads than tp is refused), the FFN. Attention sinks split with their
+        heads; a critic's one-output head is whole on every TP rank (``model.value_head``). Not
+        composed yet, refused by name: MoE (experts with TP), Liger's fused kernel."""
         tp, out, key = self.tp, [], f"parallel.tensor_parallel_size={self.tp}"
         if num_moe_experts:
             out.append(f"{key}: MoE models (model.num_moe_experts={num_moe_experts}) run with tp 1 (use EP)")
@@ -130,10 +131,6 @@ class ParallelDims:
             out.append(
                 f"{key}: must divide model.num_query_groups={groups} (KV heads are split over TP, not replicated)"
             )
-        if getattr(model, "attention_sinks", False):
-            out.append(f"{key}: attention sinks (model.attention_sinks) run with tp 1")
-        if getattr(model, "head", "lm") == "value":
-            out.append(f"{key}: a critic's value head (model.head=value) has one output and runs with tp 1")
         if getattr(model, "logits_fused_kernel", "none") != "none":
             out.append(f"{key}: model.logits_fused_kernel={model.logits_fused_kernel} runs with tp 1 (set none)")
         return out

@@ -142,16 +142,21 @@ def build_gpt(
             # A critic: a scalar head (hidden -> 1, with a bias, as transformers' token
             # classification ``score``) in place of the vocabulary projection; same name, so the
             # output path and FSDP2 wrapping are unchanged. Weight ~ N(0, init_method_std), bias 0.
-            tensor_parallel = import_megatron_module("megatron.core.tensor_parallel")
-            model.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                1,
-                config=config,
-                init_method=config.init_method,
-                bias=True,
-                skip_bias_add=False,
-                gather_output=False,
-            )
+            if tp > 1:  # one output does not split: every TP rank holds the whole head (value_head.py)
+                from .value_head import ReplicatedValueHead
+
+                model.output_layer = ReplicatedValueHead(config)
+            else:
+                tensor_parallel = import_megatron_module("megatron.core.tensor_parallel")
+                model.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size,
+                    1,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=True,
+                    skip_bias_add=False,
+                    gather_output=False,
+                )
     finally:
         torch.random.set_rng_state(cpu_state)
     if experts:

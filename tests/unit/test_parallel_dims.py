@@ -86,24 +86,19 @@ def test_tensor_parallel_layout_and_alignment():
         (["parallel.tensor_parallel_size=4"], 4, "must divide model.num_query_groups=2 (KV heads are split over TP"),
         (["parallel.tensor_parallel_size=2", "model.ffn_hidden_size=99"], 2, "must divide the FFN size 99"),
         (["parallel.tensor_parallel_size=2"], 3, "context x tensor parallel size 2 must divide the world size 3"),
-        (
-            ["parallel.tensor_parallel_size=2", "model.head=value", "loss.type=value"],
-            2,
-            "value head (model.head=value)",
-        ),
         (["parallel.tensor_parallel_size=0"], 1, "parallel.tensor_parallel_size=0: must be >= 1"),
-        (
-            ["parallel.tensor_parallel_size=2", "model.attention_sinks=true"],
-            2,
-            "attention sinks (model.attention_sinks)",
-        ),
-        (["parallel.tensor_parallel_size=2", "rl.advantage=gae"], 2, "rl.advantage=gae trains a critic"),
     ],
 )
 def test_tensor_parallel_errors_name_the_key(overrides, world, expected):
     with pytest.raises(ConfigError) as e:
         validate(load_config(None, overrides), world_size=world)
     assert expected in str(e.value)
+
+
+def test_tensor_parallel_takes_sinks_and_the_critic():
+    """Sinks split with their heads and a critic's head is whole on every TP rank: no refusal."""
+    for extra in (["model.attention_sinks=true"], ["model.head=value", "loss.type=value"], ["rl.advantage=gae"]):
+        validate(load_config(None, ["parallel.tensor_parallel_size=2", *extra]), world_size=2)
 
 
 def test_tensor_parallel_refuses_moe_by_name():

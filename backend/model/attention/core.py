@@ -57,6 +57,9 @@ def core_attention_class(backend: str) -> type:
             self.softmax_offset = None
             if getattr(config, "softmax_type", "vanilla") == "learnable":
                 self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads))
+                if tp > 1:  # this rank's heads' sinks: a contiguous block of the whole [heads] (as its q heads)
+                    self.softmax_offset.tensor_model_parallel = True
+                    self.softmax_offset.partition_dim, self.softmax_offset.partition_stride = 0, 1
             modules, self.kernel = layer_kernel(
                 backend,
                 num_heads=self.num_heads,
