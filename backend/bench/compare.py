@@ -17,20 +17,28 @@ from pathlib import Path
 
 import torch
 
-from backend.distributed.collectives import dist_max
+from backend.distributed.collectives import all_gather_objects, dist_max
 from backend.distributed.fsdp import full_tensor
 from backend.distributed.launch import torchrun_command
-from backend.model.tensor_parallel import full_param
+from backend.model.tensor_parallel import full_param, plain_name
 
 
 def _full_flat(model, named) -> torch.Tensor:
     """Every (name, tensor) of ``named`` whole (FSDP2 shards, then TP slices gathered), flattened
-    into one FP64 vector: what each arm records, whatever its parallel layout."""
+    into one FP64 vector: what each arm records, whatever its parallel layout. Under pipeline
+    parallelism the stages' vectors are joined in stage order (the whole model's order), the last
+    stage's tied embedding copy left out (the whole model has one)."""
+    stage = getattr(model, "stage_names", None)
     parts = []
     for name, t in named:
+        if stage is not None and stage.whole(plain_name(name)) is None:
+            continue
         t = full_param(model, name, full_tensor(t))
         parts.append(t.detach().reshape(-1).double().cpu())
-    return torch.cat(parts)
+    mine = torch.cat(parts)
+    if stage is None:
+        return mine
+    return torch.cat(all_gather_objects(mine, group=model.pipeline_group))
 
 
 def watch_experts_held(model) -> dict:
@@ -117,6 +125,11 @@ def worker(argv: list[str]) -> int:
         record["world_size"] = env.world_size
         record["expert_parallel_size"] = env.ep_size
         record["tensor_parallel_size"] = env.tp_size
+        record["pipeline_parallel_size"] = env.pp_size
+        stage = getattr(model, "stage_names", None)
+        record["stage_layers"] = (
+            all_gather_objects(stage.count, group=env.group("pp")) if stage is not None else [cfg.model.num_layers]
+        )
         # the attention and MLP linear weights: elements this rank holds once FSDP2 has gathered
         # them (its TP slice) against the whole model's
         layers = [(n, p) for n, p in named if ".linear_" in n]

@@ -32,6 +32,7 @@ from backend.errors import CheckpointError
 from .files import check_step_dir, load_rng_file
 from .integrity import ALGORITHM, check, digest_share, mismatches, step_files, verify_step
 from .meta import META, STEP_DIR, read_meta, restore_scheduler
+from .pp_state import to_whole_names
 from .safe_dcp import safe_load
 from .tp_state import from_whole_layout, to_whole_layout
 
@@ -98,6 +99,7 @@ def load_model_weights(model, step_dir: str | Path) -> None:
     verify_step(Path(step_dir))
     model_sd = get_model_state_dict(model)
     whole, _, swapped = to_whole_layout(model, model_sd, fill=False)  # tensor parallelism: whole tensors on disk
+    whole, _ = to_whole_names(model, whole, saving=False)  # pipeline parallelism: the whole model's names
     safe_load({"model": whole}, step_dir)
     from_whole_layout(model, swapped)
     set_model_state_dict(model, model_sd)
@@ -129,6 +131,7 @@ def save_checkpoint(
     dist.barrier(group=env.group("world"))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_sd, optim_sd, _ = to_whole_layout(model, model_sd, optim_sd, fill=True)  # TP: the whole tensors' layout
+    model_sd, optim_sd = to_whole_names(model, model_sd, optim_sd, env=env, saving=True)  # PP: the whole model's names
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
     if env.device.type == "cuda":
@@ -212,6 +215,7 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     whole_model, whole_optim, swapped = to_whole_layout(model, model_sd, optim_sd, fill=False)
+    whole_model, whole_optim = to_whole_names(model, whole_model, whole_optim, saving=False)
     safe_load({"model": whole_model, "optim": whole_optim}, path)
     from_whole_layout(model, swapped)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     "parallel.context_parallel_size=1",
                     "parallel.expert_parallel_size=1",
                     "parallel.tensor_parallel_size=1",  # checkpoints hold whole tensors at any TP size
+                    "parallel.pipeline_parallel_size=1",  # and every stage's layers under the whole model's names
+                    "parallel.pipeline_layers=[]",
                 ],
             ),
             world_size=1,

@@ -46,7 +46,13 @@ def _load_checkpoint(path: Path, overrides: list[str]):
     step_dir, config = locate(path)
     if config is None:
         raise UserError(f"{step_dir}: no config.yaml beside it (the run's architecture and tokenizer)")
-    single = ["parallel.context_parallel_size=1", "parallel.expert_parallel_size=1", "parallel.tensor_parallel_size=1"]
+    single = [
+        "parallel.context_parallel_size=1",
+        "parallel.expert_parallel_size=1",
+        "parallel.tensor_parallel_size=1",
+        "parallel.pipeline_parallel_size=1",  # checkpoints hold the whole model at any TP / PP size
+        "parallel.pipeline_layers=[]",
+    ]
     cfg = validate(load_config(config, [*overrides, *single]), world_size=1)
     env = init_distributed(1, cfg.parallel.backend)
     vocab = cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size

@@ -185,6 +185,15 @@ class ParallelConfig:
     # stream) over the TP ranks too, so every row aligns to 2 x cp x tp tokens (tp at cp 1) and a
     # microbatch is priced over cp x tp GPUs. false keeps them whole on every TP rank.
     sequence_parallel: bool = True
+    # Pipeline-parallel size: the decoder layers cut into this many stages (the embedding on the
+    # first, the final norm and output layer on the last), run 1F1B over microbatches whose shapes
+    # every stage knows from the plan; the slowest dimension of the rank layout (stages may cross
+    # nodes, only activations travel). 1 = off. Data parallel size = world / (cp x tp x pp).
+    pipeline_parallel_size: int = 1
+    # Decoder layers per stage, first to last, summing to model.num_layers; empty: an even split
+    # with the remainder on the middle stages (the first stage also embeds, the last also runs
+    # the output layer).
+    pipeline_layers: list[int] = field(default_factory=list)
     # Data-parallel wrapper: torch FSDP2 (fully_shard) over the data x context parallel group (one
     # rank in FP32: none, the plain module; BF16 keeps FSDP2 for its mixed precision).
     data_parallel_wrapper: str = "fsdp"

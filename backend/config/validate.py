@@ -74,6 +74,7 @@ _POSITIVE = (
     "parallel.context_parallel_size",
     "parallel.expert_parallel_size",
     "parallel.tensor_parallel_size",
+    "parallel.pipeline_parallel_size",
     "train.global_batch_size",
     "train.micro_batch_size",
     "train.dynamic_batch_pad_to_multiple",
@@ -167,6 +168,27 @@ def _blend_errors(d) -> list[str]:
         if not (math.isfinite(src.weight) and src.weight > 0):
             errors.append(f"data.blend[{i}].weight={src.weight}: must be > 0")
     return errors
+
+
+def _pipeline_errors(cfg: Config, dims: ParallelDims, from_memory: bool) -> list[str]:
+    """What does not run through the pipeline yet (every forward-only pass, the memory probe, an RL
+    worker's calls), refused by name at pp > 1 rather than run on one stage's layers."""
+    if dims.pp == 1:
+        return []
+    key, t, loss = f"parallel.pipeline_parallel_size={dims.pp}", cfg.train, cfg.loss
+    out = []
+    if from_memory:
+        out.append(f"{key}: an RL worker's calls (log-probabilities, weight streams) run with pp 1 for now")
+    if t.eval_interval:
+        out.append(f"{key}: train.eval_interval (validation is a forward-only pass) runs with pp 1 for now; set 0")
+    if loss.old_logprobs == "recompute" or loss.reference_checkpoint:
+        out.append(
+            f"{key}: forward-only log-probabilities (loss.old_logprobs=recompute, loss.reference_checkpoint) run "
+            "with pp 1 for now"
+        )
+    if t.max_tokens_per_gpu == "auto":
+        out.append(f"{key}: train.max_tokens_per_gpu=auto (the memory probe) runs with pp 1 for now; give a number")
+    return out
 
 
 def _rope_errors(m) -> list[str]:
@@ -411,6 +433,7 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors += dims.errors(num_moe_experts=m.num_moe_experts, model=m)  # the one place the sizes are checked
     if dims.tp > 1 and ffn_size(m) % dims.tp:
         errors.append(f"parallel.tensor_parallel_size={dims.tp}: must divide the FFN size {ffn_size(m)}")
+    errors += _pipeline_errors(cfg, dims, from_memory)
     cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(

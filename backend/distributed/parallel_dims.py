@@ -3,7 +3,7 @@ the meshes and process groups asked for by what they are for.
 
 Sizes: data parallel (dp, derived: world / (cp x tp x pp)), context parallel (cp), expert
 parallel (ep), tensor parallel (tp, with or without sequence parallelism) and pipeline parallel
-(pp; 1, its key does not exist yet). The checks (``errors``) are the only ones: config validation calls them with the
+(pp: the decoder layers cut into stages, ``stage_layers``). The checks (``errors``) are the only ones: config validation calls them with the
 launch's world size and the model's expert count, process-group set-up calls ``validate`` with the
 real world, so a launch that disagrees with its config fails with the same sentence either way.
 
@@ -29,8 +29,10 @@ Purposes (``group`` / ``mesh``), as torchtitan's ``ParallelDims.get_mesh`` names
   shards and reduce-scatters over them, and every loss and metric sum reduces over them, so a
   token is counted once (TP ranks hold the same tokens and must not add them again).
 - ``"batch"``: dp, the ranks that hold distinct samples (what the planner balances over).
-- ``"cp"``, ``"ep"``, ``"tp"``: one dimension's group; None when that dimension has size 1 (every
-  helper then communicates nothing). ``"expert"`` / ``"expert_dp"`` / ``"ep"`` meshes with ep > 1.
+- ``"cp"``, ``"ep"``, ``"tp"``, ``"pp"``: one dimension's group; None when that dimension has size 1
+  (every helper then communicates nothing). ``"embedding"``: a pipeline's first and last stage
+  (their tied embedding copies' gradients are summed over it). With pp > 1 the "fsdp" mesh, the
+  "loss" and "batch" groups are those of this rank's stage. ``"expert"`` / ``"expert_dp"`` / ``"ep"`` meshes with ep > 1.
 
 This module imports no torch at import time: the config's validation uses the sizes and checks.
 """
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GROUPS = ("world", "loss", "batch", "cp", "ep", "tp")
+GROUPS = ("world", "loss", "batch", "cp", "ep", "tp", "pp", "embedding")
 MESHES = ("fsdp", "expert", "expert_dp", "ep")
 
 
@@ -51,6 +53,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = True  # with tp > 1: activations outside the TP regions split over tp
+    pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage (empty: ``stage_layers``' even split)
     # process groups and device meshes by purpose, filled by ``build`` (absent in pure uses)
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -62,7 +65,9 @@ class ParallelDims:
             cp=parallel.context_parallel_size,
             ep=parallel.expert_parallel_size,
             tp=parallel.tensor_parallel_size,
+            pp=parallel.pipeline_parallel_size,
             sequence_parallel=parallel.sequence_parallel,
+            pipeline_layers=tuple(parallel.pipeline_layers),
         )
 
     @property
@@ -108,9 +113,58 @@ class ParallelDims:
                 f"parallel.tensor_parallel_size={self.tp}: context x tensor parallel size {self.cp * self.tp} must "
                 f"divide the world size {world}{hint(self.cp * self.tp)}"
             )
+        if world % (self.cp * self.tp * self.pp) and not world % (self.cp * self.tp):
+            out.append(
+                f"parallel.pipeline_parallel_size={self.pp}: context x tensor x pipeline parallel size "
+                f"{self.cp * self.tp * self.pp} must divide the world size {world}{hint(self.cp * self.tp * self.pp)}"
+            )
         if self.tp > 1:
             out += self._tp_model_errors(num_moe_experts, model)
+        if self.pp > 1 or self.pipeline_layers:
+            out += self._pp_errors(num_moe_experts, model)
         return out
+
+    def _pp_errors(self, num_moe_experts, model) -> list[str]:
+        """Pipeline stages: at most one a decoder layer; ``pipeline_layers`` one positive count a
+        stage summing to the layers. Not composed yet, refused by name: experts (MoE, EP) and a
+        critic's value head under PP."""
+        out, key = [], f"parallel.pipeline_parallel_size={self.pp}"
+        if num_moe_experts or self.ep > 1:
+            out.append(f"{key}: MoE models and expert parallelism run with pp 1 (not composed yet)")
+        if model is None:
+            return out
+        layers = model.num_layers
+        if self.pp > layers:
+            out.append(f"{key}: at most model.num_layers={layers} (every stage holds a decoder layer)")
+        if self.pipeline_layers:
+            given = list(self.pipeline_layers)
+            if len(given) != self.pp or sum(given) != layers or min(given) < 1:
+                out.append(
+                    f"parallel.pipeline_layers={given}: one count >= 1 per stage ({self.pp}), summing to "
+                    f"model.num_layers={layers}"
+                )
+        if getattr(model, "head", "lm") == "value" and self.pp > 1:
+            out.append(f"{key}: a critic's value head (model.head=value) runs with pp 1 (not composed yet)")
+        return out
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per stage: ``pipeline_layers`` when given, else an even split whose
+        remainder goes to the middle stages (the first stage also runs the embedding and the last
+        the final norm, the output layer and the loss: on a 151,936-token vocabulary that head
+        costs about as much as a layer of a 1B model, so the ends take the fewer layers)."""
+        if self.pipeline_layers:
+            return list(self.pipeline_layers)
+        base, extra = divmod(num_layers, self.pp)
+        order = sorted(range(self.pp), key=lambda s: (s in (0, self.pp - 1), abs(s - (self.pp - 1) / 2)))
+        counts = [base] * self.pp
+        for s in order[:extra]:
+            counts[s] += 1
+        return counts
+
+    def stage_range(self, stage: int, num_layers: int) -> tuple[int, int]:
+        """(first layer, layer count) of ``stage`` (0-based global layer indices)."""
+        counts = self.stage_layers(num_layers)
+        return sum(counts[:stage]), counts[stage]
 
     def _tp_model_errors(self, num_moe_experts, model) -> list[str]:
         """What TP splits must divide by it: query heads and KV heads (each TP rank keeps
@@ -164,7 +218,9 @@ class ParallelDims:
         }
 
     # Runtime: the process groups and meshes (torch.distributed initialised).
-    def build(self, device_type: str, *, cp_group=None, batch_group=None, tp_group=None) -> ParallelDims:
+    def build(
+        self, device_type: str, *, cp_group=None, batch_group=None, tp_group=None, pp_group=None, embedding_group=None
+    ) -> ParallelDims:
         """Make the meshes and record the groups by purpose (called once per world by
         ``init_distributed``). ``cp_group`` / ``batch_group`` / ``tp_group``: megatron-core's own
         context-, data- and tensor-parallel groups, which its layers use too (one group per purpose)."""
@@ -172,7 +228,12 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.validate()
-        if self.tp > 1:  # the (dp x cp, tp) grid: FSDP2 over the ranks holding the same TP slice
+        if self.pp > 1:  # a (pp, dp x cp, tp) grid: FSDP2 within each stage, over the ranks holding the same slice
+            shape, names = (self.pp, self.dp * self.cp, self.tp), ("pp", "fsdp", "tp")
+            fsdp = init_device_mesh(
+                device_type, shape[:2] if self.tp == 1 else shape, mesh_dim_names=names[:2] if self.tp == 1 else names
+            )["fsdp"]
+        elif self.tp > 1:  # the (dp x cp, tp) grid: FSDP2 over the ranks holding the same TP slice
             fsdp = init_device_mesh(device_type, (self.dp * self.cp, self.tp), mesh_dim_names=("fsdp", "tp"))["fsdp"]
         else:
             fsdp = init_device_mesh(device_type, (self.dp * self.cp,), mesh_dim_names=("fsdp",))
@@ -184,6 +245,8 @@ class ParallelDims:
             "cp": cp_group if self.cp > 1 else None,
             "ep": None,
             "tp": tp_group if self.tp > 1 else None,
+            "pp": pp_group if self.pp > 1 else None,
+            "embedding": embedding_group if self.pp > 1 else None,  # first and last stage (tied embeddings)
         }
         if self.ep > 1:
             expert = init_device_mesh(

@@ -69,6 +69,27 @@ class ParallelEnv:
         return self.dims.sp
 
     @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0: the embedding's; pp - 1: the output layer's)."""
+        return self.dims.coords(self.rank)["pp"]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank of ``stage`` in this rank's pipeline (same dp, cp and tp coordinates)."""
+        return self.rank + (stage - self.pp_rank) * (self.world_size // self.dims.pp)
+
+    @property
     def cp_group(self):
         """The context-parallel group (None at cp 1)."""
         return self.dims.group("cp")
@@ -102,6 +123,8 @@ def init_distributed(
     ep_size: int = 1,
     tp_size: int = 1,
     sequence_parallel: bool = True,
+    pp_size: int = 1,
+    pipeline_layers=(),
 ) -> ParallelEnv:
     """Join (or, run without torchrun, form a one-process) world and build the parallel groups."""
     if "RANK" not in os.environ:  # a plain `python -m backend.train`: a world of one on loopback
@@ -119,7 +142,13 @@ def init_distributed(
         _warn_unrestartable()
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     dims = ParallelDims(
-        world_size=dist.get_world_size(), cp=cp_size, ep=ep_size, tp=tp_size, sequence_parallel=sequence_parallel
+        world_size=dist.get_world_size(),
+        cp=cp_size,
+        ep=ep_size,
+        tp=tp_size,
+        pp=pp_size,
+        sequence_parallel=sequence_parallel,
+        pipeline_layers=tuple(pipeline_layers),
     ).validate()
     ps = import_megatron_module("megatron.core.parallel_state")
     if not ps.model_parallel_is_initialized():
@@ -139,6 +168,8 @@ def init_distributed(
         cp_group=ps.get_context_parallel_group(),
         batch_group=ps.get_data_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group() if dims.pp > 1 else None,
+        embedding_group=ps.get_embedding_group() if dims.pp > 1 else None,
     )
     return ParallelEnv(
         rank=rank,
@@ -174,6 +205,8 @@ def init_from_config(cfg) -> ParallelEnv:
         ep_size=p.expert_parallel_size,
         tp_size=p.tensor_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        pp_size=p.pipeline_parallel_size,
+        pipeline_layers=p.pipeline_layers,
     )
 
 

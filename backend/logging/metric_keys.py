@@ -21,6 +21,17 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         ("padding_efficiency_min_rank", "fraction", "the worst rank's padding efficiency"),
         ("padding_efficiency_this_rank", "fraction", "rank 0's padding efficiency"),
         ("num_microbatches", "count", "microbatches each rank ran (equal on every rank)"),
+        (
+            "pipeline_bubble",
+            "fraction",
+            "pipeline parallelism: each stage's time waiting for its neighbours over its step, mean of the stages",
+        ),
+        ("pipeline_bubble_max", "fraction", "pipeline parallelism: the idlest stage's waiting fraction"),
+        (
+            "pipeline_bubble_modelled",
+            "fraction",
+            "pipeline parallelism: the bubble 1F1B predicts from the plan's microbatch costs",
+        ),
         ("blend_samples", "count by source", "data.blend only: the window's samples from each source, by its path"),
         ("num_sequences", "count", "sequences in the window, all ranks"),
         ("empty_microbatches", "count", "microbatch slots a rank ran empty to stay aligned with the others"),

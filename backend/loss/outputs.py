@@ -12,7 +12,7 @@ import torch
 
 from backend.data.collate import MicrobatchTensors
 from backend.distributed.collectives import dist_sum
-from backend.model.forward import token_logprobs, token_loss_sum, token_losses, token_values
+from backend.model.forward import stage_hidden, token_logprobs, token_loss_sum, token_losses, token_values
 
 
 def placeholder_microbatch(cp_size: int, sp_size: int = 1) -> MicrobatchTensors:
@@ -106,5 +106,13 @@ def microbatch_values(model, mb: MicrobatchTensors, cp_group=None, *, route_rows
     """A critic's values [rows, s_local] (FP32) of one microbatch on its device, aligned like the
     labels: entry i values the state before the token at i + 1."""
     return token_values(
+        model, mb.tokens, mb.position_ids, mb.valid, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb)
+    )
+
+
+def microbatch_hidden(model, mb: MicrobatchTensors, cp_group=None, *, route_rows=None) -> torch.Tensor:
+    """A pipeline stage's output hidden states [s_local / sp, rows, hidden] for one microbatch on
+    its device (a stage before the last: no output layer, no loss)."""
+    return stage_hidden(
         model, mb.tokens, mb.position_ids, mb.valid, cp_group=cp_group, route_rows=route_rows, segments=_segments(mb)
     )

@@ -32,9 +32,25 @@ PORTABLE_FUSIONS_OFF = dict(
 
 
 def build_gpt(
-    model_cfg, *, vocab_size: int, max_seq_length: int, backend: str, seed: int, tp: int = 1, sequence_parallel=False
+    model_cfg,
+    *,
+    vocab_size: int,
+    max_seq_length: int,
+    backend: str,
+    seed: int,
+    tp: int = 1,
+    sequence_parallel=False,
+    stage: tuple[int, int] | None = None,
 ):
     """A GPTModel in FP32 (the wrapper moves and casts it). Same seed -> same weights.
+
+    ``stage`` (first layer, layer count): one pipeline stage, decoder layers ``first ..
+    first + count - 1`` only, the embedding when it starts at layer 0 and the final norm and output
+    layer when it ends at the last (megatron-core's ``pre_process`` / ``post_process``), each
+    layer's window flag its global layer's. Its weights are not the whole model's of the same seed:
+    ``pipeline_stage.stage_of`` copies them from the whole model (or a checkpoint fills them).
+    A tied output layer on a last stage without the embedding is its own parameter (kept equal to
+    the first stage's embedding by summing their gradients: ``pipeline_stage``).
 
     ``tp`` > 1 (megatron-core's parallel state holds a TP group of that size): every linear layer,
     the embedding and the output layer are megatron-core's tensor-parallel layers holding this
@@ -74,8 +90,11 @@ def build_gpt(
         kwargs |= dict(add_bias_linear=True, add_qkv_bias=True)
     if model_cfg.attention_sinks:
         kwargs["softmax_type"] = "learnable"
+    first, count = stage if stage is not None else (0, model_cfg.num_layers)
+    pre, post = first == 0, first + count == model_cfg.num_layers
     if model_cfg.sliding_window:
-        kwargs |= dict(window_size=(model_cfg.sliding_window - 1, 0), window_attn_skip_freq=layer_flags(model_cfg))
+        flags = layer_flags(model_cfg)[first : first + count]
+        kwargs |= dict(window_size=(model_cfg.sliding_window - 1, 0), window_attn_skip_freq=flags)
     if tp > 1:
         from .tp_compat import apply_tp_compat
 
@@ -85,7 +104,7 @@ def build_gpt(
         # Its default "full" is deprecated and warns on every build; [] is the same (no graphs here).
         kwargs["cuda_graph_scope"] = []
     config = te_cfg.TransformerConfig(
-        num_layers=model_cfg.num_layers,
+        num_layers=count,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_query_groups,
@@ -128,7 +147,7 @@ def build_gpt(
     try:
         if tp > 1:  # the block's final norm too
             block = import_megatron_module("megatron.core.transformer.transformer_block")
-            spec = block.TransformerBlockSubmodules(layer_specs=[spec] * model_cfg.num_layers, layer_norm=norm)
+            spec = block.TransformerBlockSubmodules(layer_specs=[spec] * count, layer_norm=norm)
         model = gpt.GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -136,7 +155,12 @@ def build_gpt(
             max_sequence_length=max_positions,
             # RoPE is applied inside our core attention from global positions (CP-safe, CPU-safe).
             position_embedding_type="none",
-            share_embeddings_and_output_weights=model_cfg.tie_embeddings and not is_value_head(model_cfg),
+            share_embeddings_and_output_weights=model_cfg.tie_embeddings
+            and not is_value_head(model_cfg)
+            and pre
+            and post,
+            pre_process=pre,
+            post_process=post,
         )
         if is_value_head(model_cfg):
             # A critic: a scalar head (hidden -> 1, with a bias, as transformers' token

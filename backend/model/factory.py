@@ -34,6 +34,7 @@ from .forward import OutputSettings, output_settings, set_output_settings
 from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
 from .output import install_chunked_output
+from .pipeline_stage import StageNames, copy_from_whole, stage_names
 from .recompute import apply_recompute
 from .tensor_parallel import record_layout, whole_numel
 
@@ -55,11 +56,30 @@ class BuiltModel:
     fields: dict  # the architecture as backend.config.hf.FIELDS (what HF export writes)
 
 
-def _meta_model(cfg, vocab: int, backend: str, env=None) -> torch.nn.Module:
+def _meta_model(cfg, vocab: int, backend: str, env=None, stage: StageNames | None = None) -> torch.nn.Module:
     with torch.device("meta"):
         return build_gpt(
-            cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length, backend=backend, seed=0, **_tp(env)
+            cfg.model,
+            vocab_size=vocab,
+            max_seq_length=cfg.data.max_seq_length,
+            backend=backend,
+            seed=0,
+            stage=None if stage is None else (stage.first, stage.count),
+            **_tp(env),
         )
+
+
+def _stage_model(cfg, vocab: int, backend: str, env, stage: StageNames) -> torch.nn.Module:
+    """One pipeline stage on the CPU (its weights filled by the caller)."""
+    return build_gpt(
+        cfg.model,
+        vocab_size=vocab,
+        max_seq_length=cfg.data.max_seq_length,
+        backend=backend,
+        seed=cfg.train.seed,
+        stage=(stage.first, stage.count),
+        **_tp(env),
+    )
 
 
 def _tp(env) -> dict:
@@ -149,10 +169,16 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     fields = model_fields(cfg.model, vocab_size=vocab, max_seq_length=cfg.data.max_seq_length)
     bf16 = use_bf16(cfg.train.precision, env.device)
     hf_dir = cfg.model.hf_checkpoint
+    stage = stage_names(cfg.model, env) if env.pp_size > 1 else None
+    if stage is not None:  # the whole model's count (a stage's slices are counted by the summary)
+        whole = _meta_model(cfg, vocab, backend, env)
+        num_parameters = whole_numel(record_layout(whole, env.group("tp")), whole)
+        del whole
     if hf_dir or empty:
-        model = _meta_model(cfg, vocab, backend, env)
+        model = _meta_model(cfg, vocab, backend, env, stage)
         _check_no_buffers(model)
-        num_parameters = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        stage_count = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        num_parameters = stage_count if stage is None else num_parameters
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         model.to_empty(device=env.device)
@@ -167,7 +193,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
                 f"weights from {hf_dir}, value head initialised N(0, {cfg.model.init_method_std:g}) from train.seed"
             )
         else:
-            load_hf_weights(model, hf_dir, fields)
+            load_hf_weights(model, hf_dir, fields, stage=stage)
             source = f"weights from {hf_dir}"
     else:
         model = build_gpt(
@@ -178,11 +204,31 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             seed=cfg.train.seed,
             **_tp(env),
         )
-        num_parameters = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        if stage is not None:  # the stage's part of the whole model of this seed (pipeline_stage)
+            whole, model = model, _stage_model(cfg, vocab, backend, env, stage)
+            copy_from_whole(model, whole, stage)
+            del whole
+        stage_count = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        num_parameters = stage_count if stage is None else num_parameters
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         source = f"initialised from train.seed={cfg.train.seed}"
-    _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)
+    if stage is not None:
+        model.stage_names = stage
+        model.activation_dtype = torch.bfloat16 if bf16 else torch.float32  # what crosses between stages
+        model.pipeline_group = env.group("pp")
+    if stage is None or stage.post:  # only the last stage has an output layer
+        _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)
+    else:
+        set_output_settings(model, OutputSettings())
+    if env.is_main and stage is not None:
+        log.info(
+            "pipeline: %d stages, decoder layers %s (the first also embeds, the last runs the output layer)",
+            env.pp_size,
+            ", ".join(
+                f"{a}-{a + n - 1}" for a, n in (env.dims.stage_range(s, m.num_layers) for s in range(env.pp_size))
+            ),
+        )
     if env.is_main:
         log.info(
             "model: %s parameters (%.3gB), %s layers, hidden %d, vocab %d, %s-style; %s; %s, %s",

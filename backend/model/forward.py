@@ -126,6 +126,12 @@ def token_values(model, tokens, positions, valid, *, cp_group=None, route_rows=N
     return out[..., 0].float()
 
 
+def stage_hidden(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:
+    """A pipeline stage before the last: its decoder layers' output [s, b, hidden] (megatron-core's
+    layout), which the next stage takes as its input (``backend.train.pipeline``)."""
+    return _forward(model, tokens, None, positions, valid, cp_group=cp_group, route_rows=route_rows, segments=segments)
+
+
 def token_logits(model, tokens, positions, valid, *, cp_group=None, route_rows=None, segments=None) -> torch.Tensor:
     """The model's logits [b, s, V] (in the compute dtype) for one microbatch; under tensor
     parallelism this rank's slice [b, s, V / tp] (``vocab_parallel``)."""

@@ -41,6 +41,7 @@ from backend.model.factory import build_model
 from .memory_meter import MemoryMeter, resident_tensors
 from .memory_probe import probe_memory
 from .optim import build_optimizer, build_scheduler
+from .pipeline import pipeline_metrics
 from .rollout import build_reference
 from .step import NonFiniteError, train_step
 
@@ -458,6 +459,8 @@ class Engine:
                     f"train.nonfinite_max_skips={limit}"
                 )
         out["nonfinite_steps"] = self.nonfinite_steps
+        if self.env.pp_size > 1:
+            out.update(pipeline_metrics(self.model, data, self.env))
         if self.meter.enabled:
             out["peak_memory_bytes"] = self.meter.peak_bytes
             out.update(self.check_memory(data, self.meter.peak_bytes))

@@ -28,10 +28,12 @@ import torch
 from backend.data.iterator import StepData
 from backend.distributed.fsdp import clip_grad_norm, set_grad_sync
 from backend.errors import UserError
-from backend.loss.outputs import placeholder_microbatch
+from backend.loss.outputs import microbatch_hidden, placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
 from backend.model import moe_stats
 from backend.model.tensor_parallel import plain_name, sum_partial_grads, tp_layout
+
+from .pipeline import broadcast_metrics, run_pipeline, sum_tied_grads
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).
@@ -65,7 +67,10 @@ def forward_backward(
     objective = objective or build_loss(loss_cfg)
     objective.begin(data, env)
     backward_window(model, data, env, lambda mb: objective.microbatch(model, mb, data, env), microbatch_hook)
-    return objective.end(env)
+    end = objective.end(env)
+    if env.pp_size > 1:  # the objective ran on the last stage: its window metrics on every stage
+        end = broadcast_metrics(end, env)
+    return end
 
 
 def backward_window(model, data: StepData, env, microbatch_objective, microbatch_hook=None) -> None:
@@ -76,6 +81,9 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
     moe_stats.begin_window(model)
     samples = max(1, len(data.window_ids))
     count = len(data.microbatches)
+    if env.pp_size > 1:  # the same microbatches, 1F1B through the stages (pipeline.py)
+        _pipeline_window(model, data, env, microbatch_objective, microbatch_hook)
+        return
     for j, mb in enumerate(data.microbatches):
         set_grad_sync(model, j == count - 1)
         with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
@@ -85,6 +93,35 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
                 total = total + aux / samples
             total.backward()
     sum_partial_grads(model)  # tensor parallelism: norms and QK-norms, partial on each TP rank
+
+
+def _pipeline_window(model, data: StepData, env, microbatch_objective, microbatch_hook=None) -> None:
+    """``backward_window`` under pipeline parallelism: this stage's part of every microbatch,
+    scheduled 1F1B (``pipeline.run_pipeline``); the tied embedding's two gradients summed; the
+    stage's idle time kept on the model for the step row (``pipeline_bubble``)."""
+    mbs = [placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb for mb in data.microbatches]
+    mbs = [mb.to(env.device) for mb in mbs]
+
+    def last_forward(j, mb):
+        with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
+            return microbatch_objective(mb)
+
+    def stage_forward(mb):
+        return microbatch_hidden(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+
+    hidden = model.config.hidden_size
+    times = run_pipeline(
+        model,
+        mbs,
+        env,
+        hidden=hidden,
+        dtype=model.activation_dtype,
+        last_forward=last_forward,
+        stage_forward=stage_forward,
+    )
+    sum_partial_grads(model)
+    sum_tied_grads(model, env)
+    model.pipeline_times = times
 
 
 def apply_update(
@@ -101,6 +138,10 @@ def apply_update(
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     params = [p for _, p in named]
     copies = [1 if plain_name(n) in layout.splits else layout.size for n, _ in named] if layout.size > 1 else None
+    stage = getattr(model, "stage_names", None)
+    if stage is not None:  # pipeline: one sum over every stage's shards; the tied copy counted once (on stage 0)
+        copies = copies or [1] * len(named)
+        copies = [math.inf if plain_name(n) == stage.tied_copy else c for (n, _), c in zip(named, copies)]
     grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else math.inf, group=group, copies=copies)
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):

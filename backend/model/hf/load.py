@@ -137,11 +137,19 @@ def init_value_head(model: torch.nn.Module, *, std: float, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *, skip=()) -> int:
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *, skip=(), stage=None) -> int:
     """Copy the checkpoint's weights into ``model``; returns the number of parameters filled.
-    ``skip``: parameters the caller fills itself (a critic's head imported from a causal LM)."""
-    params = {_strip(n): p for n, p in model.named_parameters() if _strip(n) not in set(skip)}
+    ``skip``: parameters the caller fills itself (a critic's head imported from a causal LM).
+    ``stage`` (``pipeline_stage.StageNames``): ``model`` is one pipeline stage; only its own
+    tensors are read (a tied output copy from the embedding's), the rest of the file is left."""
+    local_of = {}  # whole-model name -> the model's own name
+    for n, _ in model.named_parameters():
+        local_of[_strip(n) if stage is None else stage.source(_strip(n))] = _strip(n)
+    by_local = {_strip(n): p for n, p in model.named_parameters()}
+    params = {w: by_local[n] for w, n in local_of.items() if n not in set(skip)}
     maps = hf_to_megatron_names(fields)
+    if stage is not None:
+        maps = [pm for pm in maps if pm.megatron in params]
     wanted = {pm.megatron for pm in maps}
     absent = sorted(wanted - set(params))
     extra = sorted(set(params) - wanted)
@@ -158,16 +166,18 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
         layout = tp_layout(model)
         for pm in maps:
             param = params[pm.megatron]
-            split = layout.splits.get(pm.megatron)
+            split = layout.splits.get(local_of[pm.megatron])
             rows = _local_rows(param) if split == (0, 1) and pm.is_copy else None
             if rows is not None:  # a vocabulary slice (embedding, output layer): only its FSDP2 rows read
-                _check_shape(pm, tuple(ckpt.shape(pm.hf[0])), param, whole_shape(model, pm.megatron, param.shape))
+                _check_shape(
+                    pm, tuple(ckpt.shape(pm.hf[0])), param, whole_shape(model, local_of[pm.megatron], param.shape)
+                )
                 offset = dist.get_rank(layout.group) * param.shape[0]
                 param.to_local().copy_(ckpt.get_rows(pm.hf[0], rows[0] + offset, rows[1] + offset).to(param.dtype))
                 continue
             if split is not None:  # another tensor-parallel slice: the whole tensor read, this rank's slice kept
                 full = pm.to_megatron(ckpt.get_many(pm.hf))
-                _check_shape(pm, tuple(full.shape), param, whole_shape(model, pm.megatron, param.shape))
+                _check_shape(pm, tuple(full.shape), param, whole_shape(model, local_of[pm.megatron], param.shape))
                 _fill(param, slice_of_whole(full, *split, dist.get_rank(layout.group), layout.size).to(param.dtype))
                 del full
                 continue
@@ -189,5 +199,6 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
             _check_shape(pm, tuple(full.shape), param)
             _fill(param, full.to(param.dtype))
             del full
-        ckpt.check_consumed(ignorable_hf_names(fields))
+        if stage is None:  # a stage reads its own tensors only: the others are the other stages'
+            ckpt.check_consumed(ignorable_hf_names(fields))
     return len(maps)
