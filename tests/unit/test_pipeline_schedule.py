@@ -87,7 +87,12 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
             "the memory probe",
         ),
         (
-            ["parallel.pipeline_parallel_size=2", "loss.type=policy", "loss.old_logprobs=recompute", "data.path=r.jsonl"],
+            [
+                "parallel.pipeline_parallel_size=2",
+                "loss.type=policy",
+                "loss.old_logprobs=recompute",
+                "data.path=r.jsonl",
+            ],
             2,
             "forward-only log-probabilities",
         ),
