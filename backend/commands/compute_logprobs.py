@@ -71,11 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         cfg = validate(load_config(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")))
-        if cfg.parallel.pipeline_parallel_size > 1:
-            raise UserError(
-                f"parallel.pipeline_parallel_size={cfg.parallel.pipeline_parallel_size}: forward-only passes run with "
-                "pp 1 for now; pass parallel.pipeline_parallel_size=1 (a checkpoint holds the whole model at any PP size)"
-            )
         if not Path(args.input).is_file():
             raise DataNotFoundError(f"--input: no such file {args.input}")
         tokenizer = build_tokenizer(cfg.data.tokenizer)

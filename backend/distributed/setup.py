@@ -169,7 +169,7 @@ def init_distributed(
         batch_group=ps.get_data_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group() if dims.pp > 1 else None,
-        embedding_group=ps.get_embedding_group() if dims.pp > 1 else None,
+        embedding_group=ps.get_embedding_group(check_initialized=False) if dims.pp > 1 else None,  # middle stages: none
     )
     return ParallelEnv(
         rank=rank,

@@ -39,10 +39,11 @@ def agree_done(timeout_s: float = 300.0) -> bool:
     names the ranks that did not arrive within ``timeout_s``; NCCL's barrier is bounded by the
     group's own timeout. False (logged) when the barrier failed: teardown goes on regardless."""
     try:
+        world = dist.group.WORLD
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+            dist.monitored_barrier(group=world, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
         else:
-            dist.barrier()
+            dist.barrier(group=world)
         return True
     except Exception as e:  # a peer died or hung: nothing more to agree on
         log.warning("teardown: the ranks did not all reach the final barrier (%s); ending the groups anyway", e)

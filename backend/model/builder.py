@@ -50,7 +50,7 @@ def build_gpt(
     layer's window flag its global layer's. Its weights are not the whole model's of the same seed:
     ``pipeline_stage.stage_of`` copies them from the whole model (or a checkpoint fills them).
     A tied output layer on a last stage without the embedding is its own parameter (kept equal to
-    the first stage's embedding by summing their gradients: ``pipeline_stage``).
+    the first stage's embedding by summing their gradients: ``backend.distributed.pipeline``).
 
     ``tp`` > 1 (megatron-core's parallel state holds a TP group of that size): every linear layer,
     the embedding and the output layer are megatron-core's tensor-parallel layers holding this

@@ -1,6 +1,6 @@
 """A pipeline stage's model: which of the whole model's parameters it holds, under which names.
 
-A stage is megatron-core's GPTModel built with its decoder layers only (``build_gpt(stage=...)``):
+A stage is megatron-core's GPTModel built with its decoder layers only (the builder's ``stage``):
 layer ``first + i`` of the whole model is the stage's ``decoder.layers.i``; the embedding lives on
 the first stage, the final norm and the output layer on the last. ``StageNames`` maps names both
 ways, so everything outside the model speaks the whole model's names: checkpoints (saved and

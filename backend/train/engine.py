@@ -32,6 +32,7 @@ from backend.data.errors import DataError
 from backend.data.iterator import StepData, planner_from_config
 from backend.data.tokenizers import build_tokenizer
 from backend.distributed.collectives import dist_max
+from backend.distributed.pipeline import pipeline_metrics
 from backend.distributed.setup import check_world_matches_allocation, describe_world, tp_groups_across_nodes
 from backend.logging.console import format_end_summary, format_startup_summary
 from backend.logging.metrics import MetricsLogger, plan_metrics
@@ -41,7 +42,6 @@ from backend.model.factory import build_model
 from .memory_meter import MemoryMeter, resident_tensors
 from .memory_probe import probe_memory
 from .optim import build_optimizer, build_scheduler
-from .pipeline import pipeline_metrics
 from .rollout import build_reference
 from .step import NonFiniteError, train_step
 

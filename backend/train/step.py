@@ -27,13 +27,12 @@ import torch
 
 from backend.data.iterator import StepData
 from backend.distributed.fsdp import clip_grad_norm, set_grad_sync
+from backend.distributed.pipeline import broadcast_metrics, run_pipeline, sum_tied_grads
 from backend.errors import UserError
 from backend.loss.outputs import microbatch_hidden, placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
 from backend.model import moe_stats
 from backend.model.tensor_parallel import plain_name, sum_partial_grads, tp_layout
-
-from .pipeline import broadcast_metrics, run_pipeline, sum_tied_grads
 
 # Called with the microbatch's index; the context it returns wraps that microbatch's forward and
 # backward (the benchmark's saved-activation meter and per-microbatch timer use it).

@@ -1,6 +1,7 @@
 """Pipeline parallelism (``parallel.pipeline_parallel_size``), real gloo ranks, 1F1B with every
 activation shape taken from the plan:
 
+- PP 4 with two middle stages trains like PP 1 (a 4-layer model, 2 steps).
 - PP 2 trains like PP 1 (3 steps): padded cross-entropy with tied embeddings, packed policy loss
   with entropy and chunked logits with untied embeddings, a fixed plan; dp 2 x pp 2, tp 2 x pp 2
   and cp 2 x pp 2 on 4 ranks against the same dp / tp / cp without pipelining. Loss within 1e-6
@@ -53,8 +54,9 @@ def _same_training(ref: dict, other: dict, pp: int = 2) -> None:
 
 TWO_RANK_ARMS = {
     "padded_ce_tied": [],
-    "packed_policy_chunked_untied": [
+    "packed_policy_chunked_untied_recompute": [
         "loss.type=policy",
+        "loss.old_logprobs=recompute",  # forward-only log-probabilities through the stages
         "loss.entropy_coef=0.01",
         "loss.temperature=0.7",
         "model.logits_chunk_tokens=7",
@@ -94,6 +96,19 @@ def test_four_ranks_with_pp2_train_like_two_without(tmp_path, layout):
     _same_training(ref, other)
 
 
+def test_four_stages_with_middle_ones_train_like_one(tmp_path):
+    """PP 4 on a 4-layer model: two middle stages (no embedding, no output layer, no tied copy)."""
+    overrides = ["model.num_layers=4", "train.dynamic_batch_layout=packed"]
+    ref = run_arm(str(TINY), overrides, nproc=1, steps=2, out_dir=tmp_path, name="pp1")
+    other = run_arm(
+        str(TINY), [*overrides, "parallel.pipeline_parallel_size=4"], nproc=4, steps=2, out_dir=tmp_path, name="pp4"
+    )
+    result = compare(ref, other)
+    assert result["loss_rel_diff"] <= 1e-6 and result["grad_cosine"] >= 0.999999, result
+    assert result["max_param_diff"] <= 2e-5, result
+    assert other["stage_layers"] == [1, 1, 1, 1]
+
+
 def _train(run_dir, *extra, nproc=2):
     cmd = torchrun_command(
         nproc,
@@ -113,18 +128,24 @@ def _train(run_dir, *extra, nproc=2):
 
 def test_pp2_checkpoints_resume_at_any_pp_and_export_the_whole_model(tmp_path):
     pp2 = ["parallel.pipeline_parallel_size=2"]
-    whole2 = _train(tmp_path / "whole_pp2", *pp2, "train.train_iters=4")
-    whole1 = _train(tmp_path / "whole_pp1", "train.train_iters=4", nproc=1)
+    evaluated = ["data.valid_fraction=0.05", "train.eval_interval=2"]  # validation: forward-only through the stages
+    whole2 = _train(tmp_path / "whole_pp2", *pp2, "train.train_iters=4", *evaluated)
+    whole1 = _train(tmp_path / "whole_pp1", "train.train_iters=4", *evaluated, nproc=1)
+    evals2, evals1 = ([r for r in rows if r.get("event") == "eval"] for rows in (whole2, whole1))
+    assert [r["step"] for r in evals2] == [2, 4] and len(evals1) == 2
+    for a, b in zip(evals2, evals1):
+        assert abs(a["valid_loss"] - b["valid_loss"]) <= 1e-6 * abs(b["valid_loss"])
+    whole2, whole1 = ([r for r in rows if r.get("event") is None] for rows in (whole2, whole1))
     for a, b in zip(whole2, whole1):  # PP 2 against PP 1 (the arms above compare gradients and weights too)
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]) and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
     assert all(0 <= r["pipeline_bubble"] < 1 and 0 < r["pipeline_bubble_modelled"] < 1 for r in whole2)
     part = tmp_path / "part"
-    _train(part, *pp2, "train.train_iters=2", "checkpoint.interval=2")
+    _train(part, *pp2, "train.train_iters=2", "checkpoint.interval=2", *evaluated)
     other = tmp_path / "part_pp1"
     shutil.copytree(part, other)
-    same = _train(part, *pp2, "train.train_iters=4")
+    same = [r for r in _train(part, *pp2, "train.train_iters=4", *evaluated) if r.get("event") is None]
     assert [(r["loss"], r["grad_norm"]) for r in same[2:]] == [(r["loss"], r["grad_norm"]) for r in whole2[2:]]
-    moved = _train(other, "train.train_iters=4", nproc=1)  # PP 2's checkpoint at PP 1
+    moved = [r for r in _train(other, "train.train_iters=4", *evaluated, nproc=1) if r.get("event") is None]
     for a, b in zip(moved[2:], whole1[2:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]) and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
     from safetensors.torch import load_file
@@ -159,7 +180,7 @@ def _disagreeing_plans(rank: int, world: int):
 
     import torch.distributed as dist
 
-    from backend.train.pipeline import PipelineShapeError, check_shapes
+    from backend.distributed.pipeline import PipelineShapeError, check_shapes
 
     env = types.SimpleNamespace(pp_size=2, pp_rank=rank, group=lambda purpose: dist.group.WORLD)
     shapes = [(64, 2, 32), (128, 1, 32)] if rank == 0 else [(64, 2, 32), (96, 1, 32)]

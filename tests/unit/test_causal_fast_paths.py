@@ -180,7 +180,9 @@ def test_reward_calls_in_one_thread_keep_their_order_and_name_the_failing_call()
     assert score_all(reward, "r.py:reward", calls, timeout_s=0) == [1.0, 2.0, 3.0]
     bad = [*calls[:2], ("p", "bad", {}, "sample 2"), ("p", "d", {}, "sample 3")]
     for timeout in (5, 0):
-        with pytest.raises(RewardError, match=r"raised ValueError: no \(on sample 2\)"):
+        with pytest.raises(
+            RewardError, match=r"raised ValueError: no at \S*test_causal_fast_paths.py:\d+ \(on sample 2\)"
+        ):
             score_all(reward, "r.py:reward", bad, timeout_s=timeout)
 
 

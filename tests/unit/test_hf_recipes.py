@@ -19,13 +19,17 @@ from tests.conftest import REPO
         ("qwen3_4b_dynamic", 4_022_468_096, "qwen3", 128),
         ("qwen3_4b_grpo", 4_022_468_096, "qwen3", 128),
         ("llama31_8b_dynamic", 8_030_261_248, "llama", 128),
+        ("llama31_70b_pipeline", 70_553_706_496, "llama", 128),
     ],
 )
 def test_recipe_architecture_is_the_released_model(world, recipe, params, family, head_dim):
     from backend.model.factory import meta_model
     from backend.model.fields import model_family
 
-    cfg = validate(load_config(REPO / "configs" / f"{recipe}.yaml", ["model.hf_checkpoint=''"]), world_size=8)
+    recipe_cfg = load_config(REPO / "configs" / f"{recipe}.yaml", ["model.hf_checkpoint=''"])
+    p = recipe_cfg.parallel  # the world it is written for: 8 GPUs, or 8 nodes x 8 for the 70B
+    world_size = 8 * p.pipeline_parallel_size * (2 if p.pipeline_parallel_size > 1 else 1)
+    cfg = validate(recipe_cfg, world_size=world_size)
     assert cfg.data.tokenizer == "byte"  # auto without a checkpoint
     model = meta_model(cfg, tokenizer_vocab=256)
     assert all(p.is_meta for p in model.parameters())

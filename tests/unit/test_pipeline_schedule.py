@@ -7,8 +7,8 @@ import pytest
 
 from backend.config import ConfigError, load_config, validate
 from backend.distributed.parallel_dims import ParallelDims
+from backend.distributed.pipeline import in_flight, modelled_bubble, one_f_one_b
 from backend.model.pipeline_stage import StageNames
-from backend.train.pipeline import in_flight, modelled_bubble, one_f_one_b
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -77,24 +77,9 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
             "value head (model.head=value) runs with pp 1",
         ),
         (
-            ["parallel.pipeline_parallel_size=2", "train.eval_interval=5", "data.valid_fraction=0.1"],
-            2,
-            "train.eval_interval (validation",
-        ),
-        (
             ["parallel.pipeline_parallel_size=2", "train.max_tokens_per_gpu=auto", "train.dynamic_batch_enable=true"],
             2,
             "the memory probe",
-        ),
-        (
-            [
-                "parallel.pipeline_parallel_size=2",
-                "loss.type=policy",
-                "loss.old_logprobs=recompute",
-                "data.path=r.jsonl",
-            ],
-            2,
-            "forward-only log-probabilities",
         ),
     ],
 )
@@ -104,6 +89,15 @@ def test_pipeline_refusals_name_the_key(overrides, world, expected):
     assert expected in str(e.value)
 
 
+def test_forward_only_passes_are_taken_under_pipelining():
+    """Validation, recomputed old and reference log-probabilities run through the stages."""
+    for extra in (
+        ["train.eval_interval=5", "data.valid_fraction=0.1", "train.forward_max_tokens_per_gpu=512"],
+        ["loss.type=policy", "loss.old_logprobs=recompute", "data.path=r.jsonl"],
+    ):
+        validate(load_config(None, ["parallel.pipeline_parallel_size=2", *extra]), world_size=2)
+
+
 def test_an_rl_worker_refuses_pipelining_by_name():
-    with pytest.raises(ConfigError, match=r"an RL worker's calls .* run with pp 1"):
+    with pytest.raises(ConfigError, match=r"an RL worker's calls \(its weight stream to the generator\) run with pp 1"):
         validate(load_config(None, ["parallel.pipeline_parallel_size=2"]), world_size=2, from_memory=True)

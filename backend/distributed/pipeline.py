@@ -227,3 +227,23 @@ def pipeline_metrics(model, data, env) -> dict:
         "pipeline_bubble_max": max(fractions),
         "pipeline_bubble_modelled": modelled_bubble(costs, env.pp_size),
     }
+
+
+def stage_forward(model, batch, env, evaluate, hidden):
+    """One forward-only microbatch through the pipeline (``forward_only``): ``evaluate(batch)`` on
+    the last stage (returned), ``hidden(batch)`` (the stage's layers) elsewhere with its output
+    sent on (None returned). Without pipelining, ``evaluate(batch)``. Every stage runs the
+    microbatches in the same order, so each receive meets its send."""
+    if env.pp_size == 1:
+        return evaluate(batch)
+    group = env.group("pp")
+    shape = stage_shape(batch, env, model.config.hidden_size)
+    if not env.first_stage:
+        x = torch.empty(shape, dtype=model.activation_dtype, device=env.device)
+        dist.recv(x, src=env.stage_rank(env.pp_rank - 1), group=group, tag=2)
+        model.set_input_tensor(x)
+    if env.last_stage:
+        return evaluate(batch)
+    out = hidden(batch)
+    dist.send(out.to(model.activation_dtype).contiguous(), dst=env.stage_rank(env.pp_rank + 1), group=group, tag=2)
+    return None
