@@ -151,12 +151,10 @@ def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, 
         mb = microbatches[j]
         if op == "F":
             if prev is not None:
-                x = torch.empty(shapes[j], dtype=dtype, device=env.device)
                 t0 = time.perf_counter()
-                dist.recv(x, src=prev, group=group, tag=0)
+                x = receive_input(model, shapes[j], dtype, env, tag=0)
                 waited += time.perf_counter() - t0
                 x.requires_grad_(True)
-                model.set_input_tensor(x)
                 inputs[j] = x
             if nxt is None:
                 outputs[j] = last_forward(j, mb)
@@ -187,6 +185,15 @@ def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, 
         work.wait()
     total = time.perf_counter() - start
     return {"idle_s": waited, "step_s": total}
+
+
+def receive_input(model, shape, dtype, env, *, tag: int) -> torch.Tensor:
+    """The previous stage's activation for this stage's next microbatch, of the planned ``shape``,
+    set as the model's input (megatron-core's ``set_input_tensor``)."""
+    x = torch.empty(shape, dtype=dtype, device=env.device)
+    dist.recv(x, src=env.stage_rank(env.pp_rank - 1), group=env.group("pp"), tag=tag)
+    model.set_input_tensor(x)
+    return x
 
 
 def broadcast_metrics(metrics: dict, env) -> dict:
@@ -239,9 +246,7 @@ def stage_forward(model, batch, env, evaluate, hidden):
     group = env.group("pp")
     shape = stage_shape(batch, env, model.config.hidden_size)
     if not env.first_stage:
-        x = torch.empty(shape, dtype=model.activation_dtype, device=env.device)
-        dist.recv(x, src=env.stage_rank(env.pp_rank - 1), group=group, tag=2)
-        model.set_input_tensor(x)
+        receive_input(model, shape, model.activation_dtype, env, tag=2)
     if env.last_stage:
         return evaluate(batch)
     out = hidden(batch)

@@ -118,10 +118,11 @@ def fill_logprobs(model, microbatches: list, env, field: str, *, temperature: fl
             model, batch, env.cp_group, route_rows=batch.sample_ids >= 0, temperature=temperature
         )[0]
 
+    hidden = stage_hidden(model, env)
     with forward_only(model):
         for mb in microbatches:
             batch = (placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb).to(env.device)
-            logp = stage_forward(model, batch, env, logprobs, stage_hidden(model, env))
+            logp = stage_forward(model, batch, env, logprobs, hidden)
             if not mb.is_empty and logp is not None:  # the last stage's: the one whose loss reads them
                 setattr(mb, field, logp)
 
@@ -132,11 +133,10 @@ def validation_loss(model, dataset, ids: np.ndarray, env, planner) -> tuple[floa
         plan = planner([int(n) for n in dataset.lengths[ids]])
         local = torch.zeros((), dtype=torch.float64, device=env.device)
         batches = collate_plan(dataset, ids, plan, dp_rank=env.dp_rank, cp_rank=env.cp_rank, cp_size=env.cp_size)
+        hidden = stage_hidden(model, env)
         for mb in batches:
             batch = (placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb).to(env.device)
-            part = stage_forward(
-                model, batch, env, lambda b: microbatch_loss_sum(model, b, env), stage_hidden(model, env)
-            )
+            part = stage_forward(model, batch, env, lambda b: microbatch_loss_sum(model, b, env), hidden)
             if part is not None:
                 local += part.double()
         tokens = int(dataset.loss_token_counts[ids].sum())
