@@ -30,6 +30,7 @@ from backend.model.hf.export import export_hf_dir
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
 from backend.model.tensor_parallel import full_param
 
+from .pp_state import whole_model_tensors
 from .store import load_model_weights
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,11 @@ log = logging.getLogger(__name__)
 
 def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked
-    for, then the tensor-parallel slices)."""
+    for, then the tensor-parallel slices); under pipeline parallelism every stage's, in the whole
+    model's names and order, on every rank (``pp_state.whole_model_tensors``)."""
+    if getattr(model, "stage_names", None) is not None:
+        yield from whole_model_tensors(model, lambda name, t: full_param(model, name, full_tensor(t)))
+        return
     for name, t in model.state_dict().items():
         yield name, full_param(model, name, full_tensor(t)) if isinstance(t, torch.Tensor) else t
 

@@ -16,8 +16,13 @@ hyperparameters are the run's config anyway: ``resume.apply_optimizer_config``).
 
 from __future__ import annotations
 
-from backend.distributed.collectives import all_gather_objects
-from backend.model.tensor_parallel import plain_name
+from collections.abc import Iterator
+
+import torch
+
+from backend.distributed.collectives import all_gather_objects, broadcast_tensor
+from backend.model.pipeline_stage import StageNames
+from backend.model.tensor_parallel import plain_name, whole_shape
 
 
 def to_whole_names(model, model_sd: dict, optim_sd: dict | None = None, *, env=None, saving: bool):
@@ -50,3 +55,31 @@ def to_whole_names(model, model_sd: dict, optim_sd: dict | None = None, *, env=N
             renamed["param_groups"] = groups
         optim_sd = renamed
     return model_sd, optim_sd
+
+
+def whole_model_tensors(model, full) -> Iterator[tuple[str, torch.Tensor]]:
+    """(whole model's name, full tensor) of every parameter of every stage, in the whole model's
+    order, on every rank of the pipeline: the RL weight stream and ``generate`` under pipeline
+    parallelism, each stage streaming its own layers. ``full(local name, tensor)`` gathers a stage
+    parameter whole (FSDP2 over the stage's dp x cp, then its TP slices: collectives inside the
+    stage); the owning stage then broadcasts it over the pipeline group, so every rank yields the
+    same pairs as a run without pipelining (``model.whole_meta``: the whole model's names, shapes
+    and dtypes, on the meta device). One full tensor is held at a time, as without pipelining.
+    The last stage's tied copy is never sent (the embedding, from the first stage, is the tensor)."""
+    names = model.stage_names
+    whole = model.whole_meta
+    ranks = model.stage_ranks
+    mine = {names.whole(plain_name(k)): (k, t) for k, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    owners = [StageNames(s, names.stages, *model.stage_splits[s], names.tied) for s in range(names.stages)]
+    device = next(model.parameters()).device
+    for name, meta in whole.state_dict().items():
+        if not isinstance(meta, torch.Tensor) or name.endswith("._extra_state"):
+            continue
+        owner = next(s for s, o in enumerate(owners) if o.local(name) is not None and o.local(name) != o.tied_copy)
+        shape = whole_shape(whole, name, meta.shape)
+        if owner == names.stage:
+            key, tensor = mine[name]
+            tensor = full(key, tensor).to(meta.dtype).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=meta.dtype, device=device)
+        yield name, broadcast_tensor(tensor, src=ranks[owner], group=model.pipeline_group)

@@ -171,14 +171,12 @@ def _blend_errors(d) -> list[str]:
 
 
 def _pipeline_errors(cfg: Config, dims: ParallelDims, from_memory: bool) -> list[str]:
-    """What does not run through the pipeline yet (an RL worker's calls and weight stream, the
-    memory probe), refused by name at pp > 1 rather than run on one stage's layers."""
+    """What does not run through the pipeline yet (the memory probe), refused by name at pp > 1
+    rather than run on one stage's layers."""
     if dims.pp == 1:
         return []
     key = f"parallel.pipeline_parallel_size={dims.pp}"
     out = []
-    if from_memory:
-        out.append(f"{key}: an RL worker's calls (its weight stream to the generator) run with pp 1 for now")
     if cfg.train.max_tokens_per_gpu == "auto":
         out.append(f"{key}: train.max_tokens_per_gpu=auto (the memory probe) runs with pp 1 for now; give a number")
     return out

@@ -69,6 +69,14 @@ def all_gather_tensors(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
+def broadcast_tensor(tensor: torch.Tensor, *, src: int, group) -> torch.Tensor:
+    """``tensor`` as global rank ``src`` holds it, on every rank of the group, in place; returns it."""
+    if _alone(group):
+        return tensor
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
 def all_to_all_counts(send: torch.Tensor, group) -> torch.Tensor:
     """``send`` [ranks, k] (row r: what goes to rank r) -> [ranks, k] (row r: what rank r sent here).
 

@@ -171,9 +171,8 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     hf_dir = cfg.model.hf_checkpoint
     stage = stage_names(cfg.model, env) if env.pp_size > 1 else None
     if stage is not None:  # the whole model's count (a stage's slices are counted by the summary)
-        whole = _meta_model(cfg, vocab, backend, env)
-        num_parameters = whole_numel(record_layout(whole, env.group("tp")), whole)
-        del whole
+        whole_meta = _meta_model(cfg, vocab, backend, env)
+        num_parameters = whole_numel(record_layout(whole_meta, env.group("tp")), whole_meta)
     if hf_dir or empty:
         model = _meta_model(cfg, vocab, backend, env, stage)
         _check_no_buffers(model)
@@ -217,6 +216,12 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         model.stage_names = stage
         model.activation_dtype = torch.bfloat16 if bf16 else torch.float32  # what crosses between stages
         model.pipeline_group = env.group("pp")
+        # The whole model on the meta device (no storage): its names, shapes and dtypes for the
+        # weight stream's metadata and receive buffers (pp_state.whole_model_tensors); kept out of
+        # the module tree, or its meta tensors would join the stage's state dict.
+        object.__setattr__(model, "whole_meta", whole_meta)
+        model.stage_ranks = [env.stage_rank(s) for s in range(env.pp_size)]
+        model.stage_splits = [env.dims.stage_range(s, m.num_layers) for s in range(env.pp_size)]
     if stage is None or stage.post:  # only the last stage has an output layer
         _configure_output(model, cfg, tokenizer_vocab=tokenizer_vocab, vocab=vocab)
     else:

@@ -33,6 +33,7 @@ def export_dtype(dtype, model: torch.nn.Module) -> torch.dtype:
 
 
 def _meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    model = getattr(model, "whole_meta", model)  # a pipeline stage: the whole model's entries
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):  # a DTensor's shape is the global one (of a TP slice: whole_shape)
             t = torch.empty(whole_shape(model, name, t.shape), dtype=t.dtype, device="meta")
