@@ -93,6 +93,7 @@ _ALLOWED_KEYS = {
     "model.attention_backend": "the same attention, another implementation",
     "parallel.pipeline_parallel_size": "how the layers are cut into stages; checkpoints hold the whole model",
     "parallel.pipeline_layers": "how the layers are cut into stages; checkpoints hold the whole model",
+    "parallel.pipeline_order": "the order microbatches enter the pipeline (summation order only)",
     "model.recompute_granularity": "memory for time; the same activations, the same gradient",
     "model.logits_chunk_tokens": "memory for time; the same log-probabilities to FP32 rounding",
     "model.logits_fused_kernel": "another kernel for the same cross-entropy, to FP32 rounding",

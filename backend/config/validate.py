@@ -23,6 +23,7 @@ from .schema import (
     NONFINITE_POLICIES,
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
+    PIPELINE_ORDERS,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
     RL_ADVANTAGES,
@@ -46,6 +47,7 @@ _CHOICES = {
     "train.precision": PRECISIONS,
     "logger.wandb.mode": WANDB_MODES,
     "parallel.data_parallel_wrapper": DP_WRAPPERS,
+    "parallel.pipeline_order": PIPELINE_ORDERS,
     "parallel.backend": ("auto", "gloo", "nccl"),
     "scheduler.type": SCHEDULE_TYPES,
     "scheduler.decay_style": DECAY_STYLES,
@@ -168,18 +170,6 @@ def _blend_errors(d) -> list[str]:
         if not (math.isfinite(src.weight) and src.weight > 0):
             errors.append(f"data.blend[{i}].weight={src.weight}: must be > 0")
     return errors
-
-
-def _pipeline_errors(cfg: Config, dims: ParallelDims, from_memory: bool) -> list[str]:
-    """What does not run through the pipeline yet (the memory probe), refused by name at pp > 1
-    rather than run on one stage's layers."""
-    if dims.pp == 1:
-        return []
-    key = f"parallel.pipeline_parallel_size={dims.pp}"
-    out = []
-    if cfg.train.max_tokens_per_gpu == "auto":
-        out.append(f"{key}: train.max_tokens_per_gpu=auto (the memory probe) runs with pp 1 for now; give a number")
-    return out
 
 
 def _rope_errors(m) -> list[str]:
@@ -424,7 +414,6 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors += dims.errors(num_moe_experts=m.num_moe_experts, model=m)  # the one place the sizes are checked
     if dims.tp > 1 and ffn_size(m) % dims.tp:
         errors.append(f"parallel.tensor_parallel_size={dims.tp}: must divide the FFN size {ffn_size(m)}")
-    errors += _pipeline_errors(cfg, dims, from_memory)
     cp, dp = dims.cp, dims.dp
     if not t.dynamic_batch_enable and t.global_batch_size % (t.micro_batch_size * dp):
         errors.append(

@@ -47,14 +47,20 @@ def wrap_fsdp(model: torch.nn.Module, env, *, bf16: bool, expert_modules=()) -> 
     # The experts' inputs are the layer's own tensors (tokens, routing probabilities, counts): cast
     # nothing, so their dtypes are what they are at EP 1 (a router in FP32 keeps FP32 probabilities).
     expert_mp = dataclasses.replace(mp, cast_forward_inputs=False)
+    # Pipeline parallelism: a stage's microbatches interleave forwards and backwards (1F1B), so
+    # resharding after each forward would gather every layer twice a microbatch; its parameters
+    # stay gathered through the step instead (``set_grad_sync``'s ``pipelined``: resharded after
+    # the last microbatch's backward), as torchtitan does under PP. Costs the stage's unsharded
+    # parameters for the step (its layers only: 1/PP of the model).
+    keep = {"reshard_after_forward": False} if env.pp_size > 1 else {}
     for module in expert_modules:
-        fully_shard(module, mesh=env.dims.mesh("expert_dp"), mp_policy=expert_mp)
+        fully_shard(module, mesh=env.dims.mesh("expert_dp"), mp_policy=expert_mp, **keep)
     for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **keep)
     # Registered before fully_shard, so it runs before FSDP2's post-forward hook (hooks run in
     # registration order) and FSDP never sees a view (see _own_output).
     model.register_forward_hook(_own_output)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **keep)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already normalised by the window's global token count: sum, don't average.
@@ -130,10 +136,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local()
 
 
-def set_grad_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """Reduce gradients only on a step's last microbatch; earlier ones accumulate locally."""
+def set_grad_sync(model: torch.nn.Module, enabled: bool, *, pipelined: bool = False) -> None:
+    """Reduce gradients only on a step's last microbatch; earlier ones accumulate locally.
+    ``pipelined``: reshard the parameters only then too (gathered once a step, see ``wrap_fsdp``)."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        if pipelined:
+            model.set_reshard_after_backward(enabled)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,12 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
         (
             "pipeline_bubble_modelled",
             "fraction",
-            "pipeline parallelism: the bubble 1F1B predicts from the plan's microbatch costs",
+            "pipeline parallelism: the bubble 1F1B predicts from the microbatch costs, in the order they ran",
+        ),
+        (
+            "pipeline_bubble_modelled_plan_order",
+            "fraction",
+            "pipeline parallelism: the bubble 1F1B predicts in the plan's order (parallel.pipeline_order)",
         ),
         ("blend_samples", "count by source", "data.blend only: the window's samples from each source, by its path"),
         ("num_sequences", "count", "sequences in the window, all ranks"),

@@ -216,6 +216,7 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         model.stage_names = stage
         model.activation_dtype = torch.bfloat16 if bf16 else torch.float32  # what crosses between stages
         model.pipeline_group = env.group("pp")
+        model.pipeline_order_rule = cfg.parallel.pipeline_order  # pipeline.pipeline_order
         # The whole model on the meta device (no storage): its names, shapes and dtypes for the
         # weight stream's metadata and receive buffers (pp_state.whole_model_tensors); kept out of
         # the module tree, or its meta tensors would join the stage's state dict.

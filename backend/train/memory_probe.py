@@ -18,6 +18,15 @@ EP x tokens x min(k, E / EP) expert rows, the most any routing can give it; ever
 the worst rank's peaks, so the budget holds for any routing. At EP 1 the expert rows are tokens x
 k whatever the routing and nothing changes.
 
+Pipeline parallelism: under 1F1B stage s holds the activations of up to p - s microbatches at once
+(``pipeline.in_flight``), in its own layers only. Each probe is then a window of p microbatches of
+its shape after the lead, so every stage measures its most in-flight activations with the step's
+gradients held; every rank fits the worst stage's peaks (the maximum over the world, as for EP).
+The fit's ``tokens`` and ``area`` stay those of one microbatch, so the budget still bounds one
+microbatch, and a step's prediction is the fit at its largest microbatch: every in-flight
+microbatch is at most that large, so no stage's peak exceeds it (measured: the PP 2 test of
+``tests/distributed/test_pipeline_parallel.py`` trains adversarial windows at the budget).
+
 Why these shapes: tokens and attention area must vary independently for the fit to separate b
 from c, and the longest sequence must be measured, not extrapolated, because it is the one that
 decides whether the run can start at all.
@@ -120,7 +129,8 @@ def _one_microbatch(lengths: list[int], cfg, cp: int, sp: int = 1):
 
 
 def _probe_data(lengths: list[int], cfg, env, rng, lead: list[int] | None = None) -> tuple[StepData, object]:
-    """One window of synthetic sequences planned as one microbatch on every rank (the same shape).
+    """One window of synthetic sequences planned as one microbatch on every rank (the same shape);
+    under pipeline parallelism ``pp`` such microbatches (see the module docstring).
 
     ``lead``: the lengths of a microbatch run first, so the probed microbatch runs as a real step's
     second (or later) one does: with the gradients of the earlier microbatches already held
@@ -129,13 +139,17 @@ def _probe_data(lengths: list[int], cfg, env, rng, lead: list[int] | None = None
     sat about 1.5 MiB (its gradients) under a later microbatch of the same shape."""
     cp = env.cp_size
     lead = list(lead or [])
-    samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in [*lengths, *lead]]
+    copies = env.pp_size
+    samples = [Sample(tokens=rng.integers(0, 256, size=n).astype(np.int64)) for n in [*lengths * copies, *lead]]
     dataset = InMemoryDataset(samples, source="memory probe")  # any vocabulary: ids below 256
     one_rank = _one_microbatch(lengths, cfg, cp, env.sp_size)
-    rank = one_rank.ranks[0]
+    probed = one_rank.ranks[0][0]
+    rank = tuple(
+        dataclasses.replace(probed, indices=tuple(c * len(lengths) + i for i in probed.indices)) for c in range(copies)
+    )
     if lead:
         first = _one_microbatch(lead, cfg, cp, env.sp_size).ranks[0][0]
-        indices = tuple(len(lengths) + i for i in first.indices)
+        indices = tuple(copies * len(lengths) + i for i in first.indices)
         rank = (dataclasses.replace(first, indices=indices), *rank)
     plan = dataclasses.replace(one_rank, ranks=(rank,) * env.dp_size)
     ids = np.arange(len(samples))

@@ -27,7 +27,7 @@ import torch
 
 from backend.data.iterator import StepData
 from backend.distributed.fsdp import clip_grad_norm, set_grad_sync
-from backend.distributed.pipeline import broadcast_metrics, run_pipeline, sum_tied_grads
+from backend.distributed.pipeline import broadcast_metrics, pipeline_order, run_pipeline, sum_tied_grads
 from backend.errors import UserError
 from backend.loss.outputs import microbatch_hidden, placeholder_microbatch
 from backend.loss.registry import Objective, build_loss
@@ -96,13 +96,16 @@ def backward_window(model, data: StepData, env, microbatch_objective, microbatch
 
 def _pipeline_window(model, data: StepData, env, microbatch_objective, microbatch_hook=None) -> None:
     """``backward_window`` under pipeline parallelism: this stage's part of every microbatch,
-    scheduled 1F1B (``pipeline.run_pipeline``); the tied embedding's two gradients summed; the
-    stage's idle time kept on the model for the step row (``pipeline_bubble``)."""
-    mbs = [placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb for mb in data.microbatches]
+    scheduled 1F1B (``pipeline.run_pipeline``) in ``pipeline_order``; the tied embedding's two
+    gradients summed; the stage's idle time kept on the model for the step row (``pipeline_bubble``)."""
+    costs = [max(1, mb.cost) for mb in data.plan.microbatches(env.dp_rank)]
+    order = pipeline_order(costs, env.pp_size, model.pipeline_order_rule)
+    mbs = [data.microbatches[j] for j in order]
+    mbs = [placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb for mb in mbs]
     mbs = [mb.to(env.device) for mb in mbs]
 
     def last_forward(j, mb):
-        with microbatch_hook(j) if microbatch_hook is not None else contextlib.nullcontext():
+        with microbatch_hook(order[j]) if microbatch_hook is not None else contextlib.nullcontext():
             return microbatch_objective(mb)
 
     def stage_forward(mb):

@@ -237,7 +237,14 @@ def test_the_weight_stream_at_pp2_is_the_whole_models(tmp_path):
 
 def _rl(run_dir, *extra, nproc):
     demo = REPO / "configs" / "grpo_demo.yaml"
-    args = ["-m", "backend.rl", str(demo), f"logger.run_dir={run_dir}", "logger.log_interval=1000", "train.train_iters=2"]
+    args = [
+        "-m",
+        "backend.rl",
+        str(demo),
+        f"logger.run_dir={run_dir}",
+        "logger.log_interval=1000",
+        "train.train_iters=2",
+    ]
     cmd = torchrun_command(nproc, *args, *extra) if nproc > 1 else [sys.executable, *args, *extra]
     out = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(OMP_NUM_THREADS="1")
@@ -258,3 +265,61 @@ def test_the_rl_loop_at_pp2_trains_as_at_pp1(tmp_path):
         assert b["weight_sync_bytes"] == a["weight_sync_bytes"] > 0
     lagged = _rl(tmp_path / "async", *pp2, "rl.max_staleness=1", nproc=2)
     assert [r["step"] for r in lagged] == [1, 2] and all(r["grad_norm"] > 0 for r in lagged)
+
+
+def _gathers_per_step(rank: int, world: int, tmp: str):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from backend.config import load_config, validate
+    from backend.distributed.setup import init_from_config
+    from backend.train.trainer import Trainer
+
+    gathers = [0]
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        gathers[0] += not self.is_unsharded and self._all_gather_result is None
+        return unshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard = counted
+    overrides = [f"logger.run_dir={tmp}/run", "parallel.pipeline_parallel_size=2", "train.train_iters=1"]
+    cfg = validate(load_config(str(TINY), [*overrides, "train.max_tokens_per_gpu=256"]), world)
+    trainer = Trainer(cfg, init_from_config(cfg))
+    trainer.train()
+    groups = sum(
+        1
+        for m in trainer.model.modules()
+        if getattr(m, "_get_fsdp_state", None) and m._get_fsdp_state()._fsdp_param_group
+    )
+    return gathers[0], groups
+
+
+def test_fsdp2_gathers_a_stage_once_per_step(tmp_path):
+    """dp 2 x pp 2: each FSDP2 parameter group of a stage is gathered once in a step of several
+    microbatches (not once per forward and again per backward) and resharded after the last."""
+    for gathers, groups in run_ranks(_gathers_per_step, 4, tmp_path, str(tmp_path)):
+        assert groups == 2 and gathers == groups, (gathers, groups)  # one layer and the stage's root
+
+
+def _adversarial_at_pp2(rank: int, world: int, tmp: str):
+    from pathlib import Path
+
+    from backend.bench.memory_adversary import run_phase
+    from backend.config import load_config, validate
+    from backend.distributed.setup import init_from_config
+
+    overrides = ["parallel.pipeline_parallel_size=2", "train.memory_limit_gib=0.05", "train.memory_meter=always"]
+    env = init_from_config(validate(load_config(str(TINY), overrides), world))
+    return [run_phase(str(TINY), overrides, kind, 2, Path(tmp), env) for kind in ("long", "short")]
+
+
+def test_every_stage_stays_under_the_probes_prediction(tmp_path):
+    """train.max_tokens_per_gpu=auto at PP 2: the probe measures each stage with its in-flight
+    microbatches (stage 0 holds two), and windows of only maximum-length rows and of only short
+    rows, trained at the budget it resolves, measure under the prediction on every stage."""
+    phases = run_ranks(_adversarial_at_pp2, 2, tmp_path, str(tmp_path), timeout=400)[0]
+    for phase in phases:
+        print({k: phase[k] for k in ("phase", "budget", "worst_ratio", "worst_peak_bytes")})
+        assert phase["within_prediction"] and phase["final_budget"] == phase["budget"], phase
+        assert phase["budget"] < 16 * 256  # the memory limit binds, not the window's tokens
+        assert all(s["peak_memory_bytes"] <= 0.05 * 2**30 * 0.9 for s in phase["steps"])

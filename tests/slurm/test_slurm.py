@@ -91,18 +91,19 @@ def wait_state(env, job: str, states: set[str], timeout: float = 400) -> str:
 
 
 def test_two_node_job_forms_one_world_and_finishes(cluster, tmp_path, embedded_cache):
+    """Pipeline parallelism across the nodes: one stage a node, activations between them."""
     _, env = cluster
     run = tmp_path / "run"
-    job = submit(
-        env, tmp_path, ["-N", "2"], [f"data.cache_dir={embedded_cache}", f"logger.run_dir={run}", "train.train_iters=2"]
-    )
+    overrides = [f"data.cache_dir={embedded_cache}", f"logger.run_dir={run}", "train.train_iters=2"]
+    job = submit(env, tmp_path, ["-N", "2"], [*overrides, "parallel.pipeline_parallel_size=2"])
     state = wait_state(env, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED", log
     world = json.loads((run / "world.json").read_text())
     assert len(world) == 2 and {w["slurm_node_id"] for w in world} == {"0", "1"}
     assert {w["slurm_job_id"] for w in world} == {job}
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(0 <= r["pipeline_bubble"] < 1 for r in rows)
     assert "rendezvous at 127.0.0.1:" in log
 
 

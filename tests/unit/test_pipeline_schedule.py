@@ -4,10 +4,12 @@ stage split, the whole-model names of a stage's parameters, and the config's ref
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend.config import ConfigError, load_config, validate
 from backend.distributed.parallel_dims import ParallelDims
-from backend.distributed.pipeline import in_flight, modelled_bubble, one_f_one_b
+from backend.distributed.pipeline import in_flight, modelled_bubble, one_f_one_b, pipeline_order
 from backend.model.pipeline_stage import StageNames
 
 
@@ -77,9 +79,9 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
             "value head (model.head=value) runs with pp 1",
         ),
         (
-            ["parallel.pipeline_parallel_size=2", "train.max_tokens_per_gpu=auto", "train.dynamic_batch_enable=true"],
+            ["parallel.pipeline_parallel_size=2", "parallel.pipeline_order=fastest"],
             2,
-            "the memory probe",
+            "parallel.pipeline_order",
         ),
     ],
 )
@@ -98,6 +100,25 @@ def test_forward_only_passes_are_taken_under_pipelining():
         validate(load_config(None, ["parallel.pipeline_parallel_size=2", *extra]), world_size=2)
 
 
-def test_an_rl_worker_refuses_pipelining_by_name():
-    with pytest.raises(ConfigError, match=r"an RL worker's calls \(its weight stream to the generator\) run with pp 1"):
-        validate(load_config(None, ["parallel.pipeline_parallel_size=2"]), world_size=2, from_memory=True)
+def test_rl_workers_and_the_memory_probe_are_taken_under_pipelining():
+    pp2 = ["parallel.pipeline_parallel_size=2"]
+    validate(load_config(None, pp2), world_size=2, from_memory=True)
+    validate(
+        load_config(None, [*pp2, "train.dynamic_batch_enable=true", "train.max_tokens_per_gpu=auto"]), world_size=2
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.integers(1, 5000), min_size=1, max_size=24), stages=st.integers(1, 6))
+def test_the_pipeline_order_is_a_permutation_never_modelled_worse_than_the_plan(costs, stages):
+    order = pipeline_order(costs, stages)
+    assert sorted(order) == list(range(len(costs)))
+    assert modelled_bubble([costs[j] for j in order], stages) <= modelled_bubble(costs, stages)
+    assert pipeline_order(costs, stages, "plan") == list(range(len(costs)))
+
+
+def test_small_microbatches_go_to_the_ends_when_that_shortens_the_step():
+    costs = [4096, 4096, 4096, 4096, 512, 256]  # the dynamic planner's tail: the short leftovers last
+    order = pipeline_order(costs, 4)
+    assert order[0] == 5 and order[-1] == 4 and order[1:-1] == [0, 1, 2, 3]
+    assert modelled_bubble([costs[j] for j in order], 4) < modelled_bubble(costs, 4)

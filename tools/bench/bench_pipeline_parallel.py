@@ -14,9 +14,10 @@ backend.train``, dynamic batching, ``--layers`` decoder layers). From the arms' 
 - point-to-point bytes a step: each microbatch's activation forward and its gradient backward
   across each of the pp - 1 stage boundaries, [tokens, hidden] in FP32.
 
-The microbatches run in the plan's order (cost-balanced slots); reordering them to shorten the
-warm-up and cool-down is not built, so there is no second order to compare. On 2 shared CPU cores
-the step times are a sanity figure, not a GPU's; the bubble fractions are what to read.
+Each PP > 1 runs twice: ``parallel.pipeline_order=bubble`` (the smallest microbatch first, the
+second smallest last, when 1F1B's model says that is shorter) and ``plan`` (the plan's own order),
+the same windows, so the two orders' measured and modelled bubbles sit side by side. On 2 shared
+CPU cores the step times are a sanity figure, not a GPU's; the bubble fractions are what to read.
 
     python tools/bench/bench_pipeline_parallel.py [--pps 1,2,4] [--layers 4] [--hidden 256] [--steps 6] [--json]
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _overrides(args, run_dir: Path, pp: int) -> list[str]:
+def _overrides(args, run_dir: Path, pp: int, order: str = "bubble") -> list[str]:
     return [
         f"model.num_layers={args.layers}",
         f"model.hidden_size={args.hidden}",
@@ -53,6 +54,7 @@ def _overrides(args, run_dir: Path, pp: int) -> list[str]:
         "logger.log_interval=1000000",
         f"logger.run_dir={run_dir}",
         f"parallel.pipeline_parallel_size={pp}",
+        f"parallel.pipeline_order={order}",
     ]
 
 
@@ -82,12 +84,12 @@ def stage_bytes(args, pp: int) -> int:
     return largest
 
 
-def run_arm(args, pp: int, work: Path) -> dict:
+def run_arm(args, pp: int, order: str, work: Path) -> dict:
     from backend.distributed.launch import torchrun_command
 
-    run_dir = work / f"pp{pp}"
+    run_dir = work / f"pp{pp}_{order}"
     cmd = torchrun_command(
-        pp, "-m", "backend.train", str(REPO / "configs" / "quickstart.yaml"), *_overrides(args, run_dir, pp)
+        pp, "-m", "backend.train", str(REPO / "configs" / "quickstart.yaml"), *_overrides(args, run_dir, pp, order)
     )
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -97,12 +99,14 @@ def run_arm(args, pp: int, work: Path) -> dict:
     p2p = [2 * (pp - 1) * r["padded_tokens"] * args.hidden * 4 for r in rows]
     return {
         "pp": pp,
+        "order": order,
         "step_s": statistics.median(r["step_time_s"] for r in rows),
         "loss_last": rows[-1]["loss"],
         "num_microbatches": statistics.median(r["num_microbatches"] for r in rows),
         "bubble_measured": statistics.mean(r.get("pipeline_bubble", 0.0) for r in rows),
         "bubble_measured_max": max(r.get("pipeline_bubble_max", 0.0) for r in rows),
         "bubble_modelled": statistics.mean(r.get("pipeline_bubble_modelled", 0.0) for r in rows),
+        "bubble_modelled_plan_order": statistics.mean(r.get("pipeline_bubble_modelled_plan_order", 0.0) for r in rows),
         "p2p_bytes_per_step": statistics.median(p2p),
     }
 
@@ -118,17 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_pp_") as tmp:
-        rows = [run_arm(args, int(pp), Path(tmp)) for pp in args.pps.split(",")]
+        arms = [
+            (int(pp), order)
+            for pp in args.pps.split(",")
+            for order in (("bubble", "plan") if int(pp) > 1 else ("plan",))
+        ]
+        rows = [run_arm(args, pp, order, Path(tmp)) for pp, order in arms]
     for row in rows:  # after the arms: this process then joins a world of its own
         row["param_bytes_per_rank"] = stage_bytes(args, row["pp"])
     base = rows[0]
     print(
-        f"{'pp':>3} {'params/rank MiB':>16} {'step s':>8} {'vs pp1':>7} {'mbs':>5} {'bubble':>7} {'max':>6} "
+        f"{'pp':>3} {'order':>7} {'params/rank MiB':>16} {'step s':>8} {'vs pp1':>7} {'mbs':>5} {'bubble':>7} {'max':>6} "
         f"{'modelled':>9} {'p2p MiB/step':>13} {'final loss':>11}"
     )
     for r in rows:
         print(
-            f"{r['pp']:>3} {r['param_bytes_per_rank'] / 2**20:>16.2f} {r['step_s']:>8.3f} "
+            f"{r['pp']:>3} {r['order']:>7} {r['param_bytes_per_rank'] / 2**20:>16.2f} {r['step_s']:>8.3f} "
             f"{r['step_s'] / base['step_s']:>7.2f} {r['num_microbatches']:>5.0f} {r['bubble_measured']:>7.3f} "
             f"{r['bubble_measured_max']:>6.3f} {r['bubble_modelled']:>9.3f} {r['p2p_bytes_per_step'] / 2**20:>13.2f} "
             f"{r['loss_last']:>11.6f}"
