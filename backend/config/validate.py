@@ -172,6 +172,25 @@ def _blend_errors(d) -> list[str]:
     return errors
 
 
+def _vllm_server_errors(rl) -> list[str]:
+    v = rl.vllm_server
+    errors = []
+    if v.num_engines < 1:
+        errors.append(f"rl.vllm_server.num_engines={v.num_engines}: must be >= 1")
+    if v.tensor_parallel_size < 1:
+        errors.append(f"rl.vllm_server.tensor_parallel_size={v.tensor_parallel_size}: must be >= 1")
+    if v.bucket_mib < 1:
+        errors.append(f"rl.vllm_server.bucket_mib={v.bucket_mib}: must be >= 1")
+    for key in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s"):
+        value = getattr(v, key)
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"rl.vllm_server.{key}={value}: must be > 0")
+    for url in v.urls:
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            errors.append(f"rl.vllm_server.urls: {url!r} is not an http(s) URL (e.g. http://node7:8000)")
+    return errors
+
+
 def _rope_errors(m) -> list[str]:
     r = m.rope_scaling
     if r.rope_type not in _ROPE_REQUIRED:
@@ -381,11 +400,13 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     for key in ("rl.gamma", "rl.lam"):
         if not 0 <= get(cfg, key) <= 1:
             errors.append(f"{key}={get(cfg, key)}: must be in [0, 1]")
-    if cfg.rl.max_staleness > 0 and cfg.rl.generator != "hf":
+    if cfg.rl.max_staleness > 0 and cfg.rl.generator == "vllm":
         errors.append(
-            f"rl.max_staleness={cfg.rl.max_staleness}: the asynchronous loop runs rl.generator=hf in its own process; "
-            f"rl.generator={cfg.rl.generator} is colocated only (set rl.generator=hf or rl.max_staleness=0)"
+            f"rl.max_staleness={cfg.rl.max_staleness}: the asynchronous loop runs rl.generator=hf in a process of its "
+            "own or rl.generator=vllm_server; rl.generator=vllm is colocated only (set one of those, or "
+            "rl.max_staleness=0)"
         )
+    errors += _vllm_server_errors(cfg.rl)
     if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
         errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
     errors += _blend_errors(cfg.data)

@@ -24,6 +24,15 @@ def build_generator(worker):
     from .loop import stop_token_ids
 
     stops = stop_token_ids(worker.cfg, worker.tokenizer)
+    if worker.cfg.rl.generator == "vllm_server":  # servers of their own (backend.generators.vllm_server)
+        from backend.generators.vllm_server import VLLMServerGenerator
+
+        run_dir = worker.cfg.logger.run_dir
+        if worker.cfg.rl.max_staleness > 0:  # the asynchronous loop: rank 0 alone talks to them
+            if not worker.env.is_main:
+                return None
+            return VLLMServerGenerator.from_worker(worker, stop_token_ids=stops, sender=True, run_dir=run_dir)
+        return VLLMServerGenerator.from_worker(worker, stop_token_ids=stops, run_dir=run_dir)
     if worker.cfg.rl.max_staleness > 0:
         from .remote_generator import RemoteGenerator
 

@@ -144,7 +144,7 @@ class HFGenerator:
         gen.load_weights(worker.hf_weights())
         return gen
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> SyncStats:
         """Copy every (HF name, full tensor) pair into the model; each parameter exactly once, or an
         error naming the first unknown, repeated or missing one. Returns what moved and how long."""
         start = time.perf_counter()

@@ -146,8 +146,24 @@ class GRPOLoop:
 
     def sync_weights(self):
         """Stream the policy's weights into the generator (every rank iterates: the gathers are
-        collectives); an engine that keeps its own copy (vLLM) is then checked on a probe sequence."""
-        self.last_sync = self.generator.load_weights(self.worker.hf_weights())
+        collectives; a failure on any rank, such as a vLLM server that stopped answering rank 0's
+        broadcast, is raised on every rank); an engine that keeps its own copy (vLLM) is then
+        checked on a probe sequence."""
+        env = self.worker.env
+        stream = self.worker.hf_weights()
+        stats, error = None, None
+        try:
+            stats = self.generator.load_weights(stream, version=self.worker.step)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            for _ in stream:  # the other ranks' gathers go on to the end
+                pass
+        if env.world_size > 1:
+            parts = all_gather_objects((stats, error), group=env.group("world"))
+            error = next((e for _, e in parts if e), None)
+        if error:
+            raise RuntimeError(f"weight sync into the generator: {error}")
+        self.last_sync = stats
         if hasattr(self.generator, "probe_logprobs"):
             self.last_probe_diff = self.check_sync()
         return self.last_sync
@@ -157,17 +173,21 @@ class GRPOLoop:
         sequence (the first prompt and a fixed continuation); over ``SYNC_TOLERANCE`` the sync left
         the engine on other weights than the trainer's: an error, never a silently stale sampler."""
         probe = list(self.prompts[0].token_ids) + [int(t) for t in self.prompts[0].token_ids[:8]]
-        mine = np.asarray(self.generator_probe(probe), dtype=np.float64)
+        answer = self.generator_probe(probe)  # one list, or one per engine (vLLM servers: by URL)
+        engines = answer if isinstance(answer, dict) else {"the generator": answer}
         theirs = self.worker.logprobs([{"input_ids": probe}], temperature=1.0)[0][1:].astype(np.float64)
-        diff = float(np.max(np.abs(mine - theirs)))
         tolerance = SYNC_TOLERANCE[self.cfg.train.precision == "bf16" or self.worker.env.device.type == "cuda"]
-        if not diff <= tolerance:
-            raise RuntimeError(
-                f"step {self.worker.step}: after the weight sync the generator's log-probabilities of the probe "
-                f"sequence differ from the trainer's by {diff:.3g} (over {tolerance:g}): the engine is not on the "
-                "trainer's weights"
-            )
-        return diff
+        worst = 0.0
+        for name, mine in engines.items():
+            diff = float(np.max(np.abs(np.asarray(mine, dtype=np.float64) - theirs)))
+            if not diff <= tolerance:
+                raise RuntimeError(
+                    f"step {self.worker.step}: after the weight sync the log-probabilities of the probe sequence by "
+                    f"{name} differ from the trainer's by {diff:.3g} (over {tolerance:g}): the engine is not on the "
+                    "trainer's weights"
+                )
+            worst = max(worst, diff)
+        return worst
 
     def generator_probe(self, probe: list[int]) -> list[float]:
         """The generator's log-probabilities of ``probe[1:]`` (every rank has its own generator here)."""

@@ -135,7 +135,7 @@ class VLLMGenerator:
 
         self.llm.apply_model(load)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> SyncStats:
         start = time.perf_counter()
         stats = {"count": 0, "size": 0}
         if self.cpu:

