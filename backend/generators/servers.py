@@ -114,7 +114,12 @@ def server_command(model_dir: str, port: int, *, max_model_len: int, tensor_para
     ]
     if cpu:
         sched = cpu_scheduling(max_model_len)
-        cmd += ["--max-num-seqs", str(sched["max_num_seqs"]), "--max-num-batched-tokens", str(sched["max_num_batched_tokens"])]
+        cmd += [
+            "--max-num-seqs",
+            str(sched["max_num_seqs"]),
+            "--max-num-batched-tokens",
+            str(sched["max_num_batched_tokens"]),
+        ]
     return [*cmd, "--max-model-len", str(max_model_len)]
 
 

@@ -94,7 +94,9 @@ def send(
     return count, size
 
 
-def receive(pg, metadata: Metadata, *, limit: int = BUCKET_BYTES, device="cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive(
+    pg, metadata: Metadata, *, limit: int = BUCKET_BYTES, device="cpu"
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Each bucket as it arrives: its (name, tensor) pairs, views of a buffer reused for the next
     bucket (consume them before asking for the next)."""
     plan = buckets(metadata, limit)

@@ -91,7 +91,8 @@ if WeightTransferEngine is not None:
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             metadata = [
-                (n, DTYPES[d], tuple(s)) for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
+                (n, DTYPES[d], tuple(s))
+                for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
             ]
             for pairs in receive(self.pg, metadata, limit=update_info.bucket_bytes):
                 self.model.load_weights(pairs)

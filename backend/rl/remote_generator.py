@@ -8,7 +8,7 @@ talks to it two ways:
 - a two-member gloo process group (its own TCPStore, never the trainer's groups; gloo on CUDA
   too, through host memory, as the process shares rank 0's GPU and NCCL refuses a second rank on
   one device) carries the weights: the policy's Hugging Face stream packed into byte buckets of
-  at most ``BUCKET_BYTES`` (verl and NeMo-RL send 512 MiB to 2 GiB), each broadcast from the
+  at most ``transport.BUCKET_BYTES`` (verl and NeMo-RL send 512 MiB to 2 GiB), each broadcast from the
   trainer. The child knows the layout from ``weight_metadata`` (names, dtypes, shapes in stream
   order), so a bucket needs no header; ``checked_stream`` then refuses a missing, repeated or
   misshapen tensor by name, as in the colocated generators.
@@ -33,41 +33,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from backend.generators import transport
 
 from .generate import SyncStats
 
 #: Threads of the generator process on CPU (generation is a chain of small steps: one is enough).
 GENERATOR_THREADS = 1
-#: The most bytes one broadcast of weights carries (plus one tensor larger than it, alone).
-BUCKET_BYTES = 512 * 2**20
 #: How long one weight broadcast may take (both sides are ready when it starts: the trainer sends
 #: weights only to an idle generator). A reply is awaited as long as the process lives.
 TIMEOUT = datetime.timedelta(minutes=30)
-DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
-
-
-def buckets(metadata: Sequence[tuple[str, torch.dtype, tuple]], limit: int = BUCKET_BYTES) -> list[list[int]]:
-    """Consecutive runs of the stream's tensors (indices) of at most ``limit`` bytes each (a larger
-    tensor goes alone): the same cut on both sides, from the metadata alone."""
-    out: list[list[int]] = [[]]
-    size = 0
-    for i, (_, dtype, shape) in enumerate(metadata):
-        nbytes = _nbytes(dtype, shape)
-        if out[-1] and size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += nbytes
-    return [b for b in out if b]
-
-
-def _nbytes(dtype: torch.dtype, shape) -> int:
-    return int(torch.Size(shape).numel()) * dtype.itemsize
-
-
-def _bucket_bytes(plan, metadata) -> list[int]:
-    return [sum(_nbytes(metadata[i][1], metadata[i][2]) for i in bucket) for bucket in plan]
 
 
 def _free_port() -> int:
@@ -77,16 +52,8 @@ def _free_port() -> int:
 
 
 def _group(port: int, rank: int):
-    """The two-member gloo group of the trainer's rank 0 (0) and the generator process (1). gloo on
-    CUDA too: the process shares rank 0's GPU, and NCCL refuses two ranks on one device."""
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=TIMEOUT, wait_for_workers=False)
-    return store, dist.ProcessGroupGloo(dist.PrefixStore("rl_weights", store), rank, 2, TIMEOUT)
-
-
-def _broadcast(group, buffer: torch.Tensor) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    group.broadcast([buffer], opts).wait()
+    """The two-member gloo group of the trainer's rank 0 (0) and the generator process (1)."""
+    return transport.group("127.0.0.1", port, rank, 2, TIMEOUT)
 
 
 @dataclass
@@ -114,14 +81,12 @@ class RemoteGenerator:
         self, hf_config: dict, metadata, *, device: torch.device, vocab_limit=None, stop_token_ids=(), threads: int = 1
     ):
         self.metadata = [(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
-        self.plan = buckets(self.metadata)
-        self.sizes = _bucket_bytes(self.plan, self.metadata)
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         spec = {
             "hf_config": hf_config,
-            "metadata": [(n, str(d), s) for n, d, s in self.metadata],
+            "metadata": [(n, str(d).removeprefix("torch."), s) for n, d, s in self.metadata],
             "vocab_limit": vocab_limit,
             "stop_token_ids": list(stop_token_ids),
             "device": str(device),
@@ -176,28 +141,7 @@ class RemoteGenerator:
             raise RuntimeError(f"weights sent with {self._pending} generate request(s) in flight")
         start = time.perf_counter()
         self.conn.send(("weights", version))
-        expected = iter(self.metadata)
-        buffer = torch.empty(max(self.sizes, default=0), dtype=torch.uint8)  # gloo: host memory
-        count = size = 0
-        stream = iter(weights)
-        for bucket, total in zip(self.plan, self.sizes):
-            offset = 0
-            for _ in bucket:
-                name, tensor = next(stream)
-                want, dtype, shape = next(expected)
-                if name != want or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    raise ValueError(
-                        f"weight stream: got {name} {tuple(tensor.shape)} {tensor.dtype}, the generator "
-                        f"process expects {want} {shape} {dtype} at this place"
-                    )
-                flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-                buffer[offset : offset + flat.numel()].copy_(flat)
-                offset += flat.numel()
-                count += 1
-            _broadcast(self.group, buffer[:total])
-            size += total
-        if next(stream, None) is not None:
-            raise ValueError("weight stream: more tensors than the generator process's metadata lists")
+        count, size = transport.send(self.group, weights, self.metadata, who="the generator process")
         loaded = self._expect("loaded")[0]
         if loaded != version:
             raise RuntimeError(f"generator process: loaded version {loaded}, sent {version}")
@@ -267,7 +211,7 @@ def _child_main(conn, spec: dict) -> None:
         device = torch.device(spec["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        metadata = [(n, DTYPES[d], tuple(s)) for n, d, s in spec["metadata"]]
+        metadata = [(n, transport.DTYPES[d], tuple(s)) for n, d, s in spec["metadata"]]
         gen = HFGenerator(
             spec["hf_config"],
             vocab_limit=spec["vocab_limit"],
@@ -280,8 +224,6 @@ def _child_main(conn, spec: dict) -> None:
         return
     conn.send(("ready",))
     store, group = _group(spec["port"], 1)
-    plan = buckets(metadata)
-    buffer = torch.empty(max(_bucket_bytes(plan, metadata), default=0), dtype=torch.uint8)  # reused each sync
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(conn, inbox), daemon=True).start()
     version, idle = None, 0.0
@@ -296,7 +238,7 @@ def _child_main(conn, spec: dict) -> None:
                 gc.collect()
                 return
             if kind == "weights":
-                stream = _received(group, plan, metadata, device, buffer)
+                stream = (pair for pairs in transport.receive(group, metadata, device=device) for pair in pairs)
                 try:
                     gen.load_weights(stream)
                 finally:
@@ -323,16 +265,3 @@ def _child_main(conn, spec: dict) -> None:
         except Exception as e:  # reported to the trainer, which raises it on every rank
             conn.send(("error", f"{kind}: {type(e).__name__}: {e}"))
             return
-
-
-def _received(group, plan, metadata, device, buffer):
-    """(name, tensor) pairs out of the broadcast buckets, received into ``buffer``, in stream order
-    (each tensor is copied into the model before the next bucket overwrites it)."""
-    for bucket, total in zip(plan, _bucket_bytes(plan, metadata)):
-        _broadcast(group, buffer[:total])
-        offset = 0
-        for i in bucket:
-            name, dtype, shape = metadata[i]
-            n = _nbytes(dtype, shape)
-            yield name, buffer[offset : offset + n].view(dtype).view(shape).to(device)
-            offset += n
