@@ -239,18 +239,19 @@ def describe_world(env: ParallelEnv) -> list[dict]:
 
 
 def check_world_matches_allocation(world: list[dict]) -> None:
-    """Under Slurm, every node of the allocation must be in this one world.
+    """Under Slurm, every node of the launch (the job step's nodes: a job's generator nodes run
+    vLLM servers in a step of their own) must be in this one world.
 
     A launch that starts an independent torchrun per node forms several one-node worlds that
     each train alone, silently; this turns that into an error naming both counts.
     """
-    expected = os.environ.get("SLURM_JOB_NUM_NODES")
+    expected = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES")
     if expected is None or "SLURM_JOB_ID" not in os.environ:
         return
     nodes = {w["slurm_node_id"] for w in world}
     if len(nodes) != int(expected):
         raise RuntimeError(
-            f"this world has {len(world)} ranks on {len(nodes)} Slurm node(s), but the allocation has {expected}: "
+            f"this world has {len(world)} ranks on {len(nodes)} Slurm node(s), but the launch has {expected}: "
             f"every node must join one rendezvous (launch with tools/slurm/train.sbatch)"
         )
 

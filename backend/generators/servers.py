@@ -78,7 +78,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def server_command(model_dir: str, port: int, *, max_model_len: int, tensor_parallel_size: int, cpu: bool) -> list[str]:
+def server_command(
+    model_dir: str, port: int, *, max_model_len: int, tensor_parallel_size: int, cpu: bool, host: str = "127.0.0.1"
+) -> list[str]:
     from backend.rl.vllm_generator import cpu_scheduling
 
     cmd = [
@@ -90,7 +92,7 @@ def server_command(model_dir: str, port: int, *, max_model_len: int, tensor_para
         "--served-model-name",
         "policy",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--load-format",
@@ -166,27 +168,41 @@ def start_servers(hf_config: dict, settings, *, max_model_len: int, log_dir=None
     return servers
 
 
+def healthy(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def wait_healthy(servers: list[ServerProcess], timeout_s: float) -> None:
     """Return once every server answers ``/health``; a server that exits first, or is still
     silent after ``timeout_s``, is an error naming it with its log's tail."""
+    wait_urls([s.url for s in servers], timeout_s, servers)
+
+
+def wait_urls(urls: list[str], timeout_s: float, servers: list[ServerProcess] | None = None) -> None:
+    """``wait_healthy`` for servers started elsewhere (``rl.vllm_server.urls``: a Slurm job's
+    generator nodes start beside the trainer's), or ours (``servers``: their processes and logs)."""
     end = time.monotonic() + timeout_s
-    waiting = list(servers)
+    own = {s.url: s for s in servers or []}
+    waiting = list(urls)
     while waiting:
-        for s in list(waiting):
-            if s.process.poll() is not None:
+        for url in list(waiting):
+            s = own.get(url)
+            if s is not None and s.process.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM server {s.url} exited with code {s.process.returncode} while starting; its log "
+                    f"vLLM server {url} exited with code {s.process.returncode} while starting; its log "
                     f"({s.log}) ends:\n{s.tail()}"
                 )
-            try:
-                if requests.get(s.url + "/health", timeout=5).status_code == 200:
-                    waiting.remove(s)
-            except requests.RequestException:
-                pass
+            if healthy(url):
+                waiting.remove(url)
         if waiting and time.monotonic() > end:
+            s = own.get(waiting[0])
+            log = f"; its log ({s.log}) ends:\n{s.tail()}" if s is not None else ""
             raise RuntimeError(
-                f"vLLM server {waiting[0].url} did not answer /health within {timeout_s:g} s "
-                f"(rl.vllm_server.startup_timeout_s); its log ({waiting[0].log}) ends:\n{waiting[0].tail()}"
+                f"vLLM server {waiting[0]} did not answer /health within {timeout_s:g} s "
+                f"(rl.vllm_server.startup_timeout_s){log}"
             )
         if waiting:
             time.sleep(1.0)

@@ -42,7 +42,7 @@ import torch
 from backend.rl.generate import Completion, SyncStats
 
 from . import transport
-from .servers import ServerProcess, start_servers, stop_servers
+from .servers import ServerProcess, healthy, start_servers, stop_servers, wait_urls
 
 #: Names the engine's served model (requests must name it).
 SERVED_NAME = "policy"
@@ -132,6 +132,7 @@ class VLLMServerGenerator:
             try:
                 if settings.urls:
                     urls = list(settings.urls)
+                    wait_urls(urls, settings.startup_timeout_s)  # a Slurm job's generator nodes start beside us
                 else:
                     servers = start_servers(hf_config, settings, max_model_len=cfg.data.max_seq_length, log_dir=run_dir)
                     urls = [s.url for s in servers]
@@ -177,15 +178,7 @@ class VLLMServerGenerator:
 
     def silent(self) -> list[str]:
         """The servers that do not answer ``/health`` now (or whose process ended)."""
-        out = []
-        for url in self.urls:
-            try:
-                ok = requests.get(url + "/health", timeout=10).status_code == 200
-            except requests.RequestException:
-                ok = False
-            if not ok:
-                out.append(url)
-        return out
+        return [url for url in self.urls if not healthy(url)]
 
     def _on_every(self, fn, *, what: str) -> list:
         """``fn(url)`` on every server at once (threads); the first failure raised naming its server."""

