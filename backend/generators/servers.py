@@ -12,7 +12,7 @@ loop's environment, with:
   ``VLLM_SERVER_DEV_MODE=1`` (the transfer, pause and cache endpoints);
 - ``--logprobs-mode processed_logprobs`` (log-probabilities after temperature: what the sampler
   saw); on CPU the scheduling under which no prompt is prefilled in chunks
-  (``vllm_generator.cpu_scheduling``: a chunked, seeded request dies there) and
+  (``vllm_cpu.cpu_scheduling``: a chunked, seeded request dies there) and
   ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB unless set; on CUDA ``tensor_parallel_size`` GPUs of its own
   through ``CUDA_VISIBLE_DEVICES`` (from ``first_gpu`` on).
 
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import requests
 import torch
+
+from .vllm_cpu import cpu_scheduling
 
 #: The module a server runs (the console script is broken on vllm-cpu 0.32).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -81,8 +83,6 @@ def _die_with_parent() -> None:
 def server_command(
     model_dir: str, port: int, *, max_model_len: int, tensor_parallel_size: int, cpu: bool, host: str = "127.0.0.1"
 ) -> list[str]:
-    from backend.rl.vllm_generator import cpu_scheduling
-
     cmd = [
         sys.executable,
         "-m",

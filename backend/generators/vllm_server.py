@@ -39,9 +39,8 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from backend.rl.generate import Completion, SyncStats
-
 from . import transport
+from .results import Completion, Rollout, SyncStats
 from .servers import ServerProcess, healthy, start_servers, stop_servers, wait_urls
 
 #: Names the engine's served model (requests must name it).
@@ -362,8 +361,6 @@ class VLLMServerGenerator:
                 self._worker.start()
 
     def _serve(self) -> None:
-        from backend.rl.remote_generator import Rollout
-
         while True:
             with self._lock:
                 if not self._queue:

@@ -23,27 +23,11 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass
-class Completion:
-    """One sampled response: its token ids (up to and including a stop id, if one came) and the
-    sampler's log-probability of each, log softmax(logits / T)[token]."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    stopped: bool  # ended on a stop id (else it ran to max_new_tokens)
-
-
-@dataclass
-class SyncStats:
-    tensors: int
-    bytes: int
-    seconds: float
+from backend.generators.results import Completion, SyncStats  # noqa: F401 (the generators' results, here too)
 
 
 def checked_stream(

@@ -30,11 +30,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from backend.generators import transport
+from backend.generators.results import Rollout
 
 from .generate import SyncStats
 
@@ -54,18 +54,6 @@ def _free_port() -> int:
 def _group(port: int, rank: int):
     """The two-member gloo group of the trainer's rank 0 (0) and the generator process (1)."""
     return transport.group("127.0.0.1", port, rank, 2, TIMEOUT)
-
-
-@dataclass
-class Rollout:
-    """One step's generation as the child returns it: per prompt, its completions as
-    (token ids, log-probabilities, stopped); the weight version it sampled with; its timings."""
-
-    step: int
-    version: int
-    completions: list
-    generate_s: float
-    generator_idle_s: float
 
 
 def stream_dtype(device: torch.device) -> torch.dtype:

@@ -52,19 +52,10 @@ from pathlib import Path
 
 import torch
 
-from .generate import Completion, SyncStats, checked_stream
+from backend.generators.results import Completion, SyncStats
+from backend.generators.vllm_cpu import CPU_TOKEN_BUDGET, cpu_scheduling  # noqa: F401 (kept importable here)
 
-#: The most tokens one CPU engine step may schedule (``max_num_batched_tokens``): 64 requests of
-#: 1,024 tokens. The engine sizes per-token buffers by it (a few bytes to a hidden state a token).
-CPU_TOKEN_BUDGET = 65_536
-
-
-def cpu_scheduling(max_model_len: int, max_num_seqs: int = 64) -> dict:
-    """vLLM engine arguments under which no prompt is prefilled in chunks (module docstring):
-    ``max_num_seqs`` lowered until ``max_num_seqs x max_model_len`` fits ``CPU_TOKEN_BUDGET`` (at
-    least one request), and that product as the token budget."""
-    seqs = max(1, min(max_num_seqs, CPU_TOKEN_BUDGET // max(1, max_model_len)))
-    return {"max_model_len": max_model_len, "max_num_seqs": seqs, "max_num_batched_tokens": seqs * max_model_len}
+from .generate import checked_stream
 
 
 class VLLMGenerator:

@@ -64,7 +64,8 @@ def test_imports_run_one_way(subpackage):
 
 #: The rooms of ``backend/``, bottom floor first: a room imports only rooms on floors below its own
 #: (imports inside functions included). checkpoint/ and loss/ sit below train/ (the trainer uses
-#: them, never the reverse); rl/ sits on train/; bench/ above (tools and tests, never training);
+#: them, never the reverse); rl/ sits on train/ and generators/ (the rollout engines, which know
+#: nothing of the trainer); bench/ above (tools and tests, never training);
 #: commands/ (the user commands behind tools/ and the console scripts) on top.
 ROOM_FLOORS = [
     ("errors", "megatron_compat", "batching"),
@@ -73,7 +74,7 @@ ROOM_FLOORS = [
     ("data",),
     ("model", "logging"),
     ("checkpoint", "loss"),
-    ("train",),
+    ("train", "generators"),
     ("rl",),
     ("bench",),
     ("commands",),

