@@ -13,7 +13,7 @@ loop's environment, with:
 - ``--logprobs-mode processed_logprobs`` (log-probabilities after temperature: what the sampler
   saw); on CPU the scheduling under which no prompt is prefilled in chunks
   (``vllm_cpu.cpu_scheduling``: a chunked, seeded request dies there) and
-  ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB unless set; on CUDA ``tensor_parallel_size`` GPUs of its own
+  ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB unless set, and each server its own cores (``cpu_cores``); on CUDA ``tensor_parallel_size`` GPUs of its own
   through ``CUDA_VISIBLE_DEVICES`` (from ``first_gpu`` on).
 
 Stopping: SIGTERM to the server's whole process group (the API server, its engine core and
@@ -125,6 +125,20 @@ def server_command(
     return [*cmd, "--max-model-len", str(max_model_len)]
 
 
+def cpu_cores(engine: int, engines: int, tp: int = 1) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for server ``engine`` of ``engines`` on CPU: the cores
+    this process may use, split evenly between the servers (wrapping when there are more servers
+    than cores), then between the server's TP workers ("|"). vLLM's default binds every server to
+    every core: two servers on 2 cores then sampled at 0.05x one server's tokens a second
+    (``tools/bench/bench_generators.py``)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // engines)
+    start = (engine * share) % len(cores)
+    mine = [cores[(start + k) % len(cores)] for k in range(share)]
+    per = max(1, len(mine) // tp)
+    return "|".join(",".join(str(c) for c in mine[(r * per) % len(mine) :][:per] or mine[:per]) for r in range(tp))
+
+
 def start_servers(hf_config: dict, settings, *, max_model_len: int, log_dir=None) -> list[ServerProcess]:
     """Start ``settings.num_engines`` servers and wait until each answers ``/health``."""
     cpu = not torch.cuda.is_available()
@@ -138,6 +152,8 @@ def start_servers(hf_config: dict, settings, *, max_model_len: int, log_dir=None
             port = _free_port()
             env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores(i, settings.num_engines, settings.tensor_parallel_size)
             if not cpu:
                 tp = settings.tensor_parallel_size
                 first = settings.first_gpu + i * tp
