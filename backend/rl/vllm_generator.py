@@ -33,6 +33,9 @@ The optional extra ``vllm`` (CUDA only). Same interface as ``generate.HFGenerato
   every scheduled prompt fits whole (no chunk, no rewind, the same draws for a seed); the budget
   is kept under ``CPU_TOKEN_BUDGET`` tokens by scheduling fewer requests a step when
   ``max_model_len`` (``data.max_seq_length``) is long. CUDA keeps vLLM's defaults.
+- Sleep (CUDA): the engine starts with ``enable_sleep_mode`` and sleeps (level 1: weights to
+  host memory, KV cache dropped) after each generation, so training has the GPU's memory back;
+  the next sync, generation or probe wakes it first. vLLM's sleep is a no-op on CPU.
 - Sampling: ``SamplingParams(n, temperature, max_tokens, seed, logprobs=0, top_k/top_p off)``;
   ``logprobs_mode="processed_logprobs"`` makes the returned log-probability of each sampled
   token the one after temperature: what the sampler saw (``rollout_logprobs``).
@@ -87,6 +90,10 @@ class VLLMGenerator:
             ) from e
         self._dir = tempfile.TemporaryDirectory(prefix="vllm_config_")
         (Path(self._dir.name) / "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
+        if not self.cpu:  # sleep between generations (module docstring); a no-op on CPU
+            engine_kwargs.setdefault("enable_sleep_mode", True)
+        self.sleeps = bool(engine_kwargs.get("enable_sleep_mode"))
+        self.asleep = False
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",
@@ -126,8 +133,21 @@ class VLLMGenerator:
 
         self.llm.apply_model(load)
 
+    def sleep(self) -> None:
+        """Give the GPU back to training: vLLM's sleep level 1 (weights to host memory, the KV cache
+        dropped); the next ``load_weights``, ``generate_batch`` or probe wakes the engine first."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> SyncStats:
         start = time.perf_counter()
+        self.wake()
         stats = {"count": 0, "size": 0}
         if self.cpu:
 
@@ -183,6 +203,7 @@ class VLLMGenerator:
         temperature 1 (vLLM's prompt log-probabilities, taken before any temperature)."""
         from vllm import SamplingParams
 
+        self.wake()
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
         return [float(out.prompt_logprobs[i][t].logprob) for i, t in enumerate(token_ids) if i > 0]
@@ -215,8 +236,10 @@ class VLLMGenerator:
         with its own seed, as ``HFGenerator.generate_batch``."""
         if not prompts:
             return []
+        self.wake()
         params = [self._params(n, temperature, max_new_tokens, s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        self.sleep()  # training comes next: its memory back until the next sync
         batches = []
         for out in outs:
             completions = []

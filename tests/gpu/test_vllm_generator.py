@@ -39,3 +39,32 @@ def test_vllm_generator_samples_with_the_policys_logprobs(world, tmp_path):
             assert np.max(np.abs(np.asarray(c.logprobs) - lp[len(prompt) :])) <= 1e-3
     finally:
         worker.close()
+
+
+def test_the_colocated_engine_sleeps_through_training_and_wakes_for_the_next_sync(world, tmp_path):
+    """rl.generator=vllm on CUDA: after a generation the engine sleeps (level 1), so the GPU's free
+    memory grows by at least its weights; the next sync wakes it and its log-probabilities are the
+    policy's again."""
+    from backend.rl import PolicyWorker
+    from backend.rl.vllm_generator import VLLMGenerator
+
+    worker = PolicyWorker.from_config(
+        TINY, ["loss.type=policy", "loss.old_logprobs=detach", f"logger.run_dir={tmp_path}"], env=world
+    )
+    try:
+        gen = VLLMGenerator.from_worker(worker, dtype="float32", gpu_memory_utilization=0.2)
+        gen.load_weights(worker.hf_weights())
+        awake_free = torch.cuda.mem_get_info()[0]
+        prompt = list(b"def add(a, b):")
+        gen.generate(prompt, 2, 1.0, 8, seed=0)
+        assert gen.asleep
+        weights = sum(t.numel() * t.element_size() for _, t in worker.hf_weights())
+        assert torch.cuda.mem_get_info()[0] >= awake_free + weights
+        gen.load_weights(worker.hf_weights())
+        assert not gen.asleep
+        out = gen.generate(prompt, 2, 1.0, 8, seed=0)
+        rows = [{"input_ids": prompt + c.token_ids} for c in out]
+        for c, lp in zip(out, worker.logprobs(rows)):
+            assert np.max(np.abs(np.asarray(c.logprobs) - lp[len(prompt) :])) <= 1e-3
+    finally:
+        worker.close()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the docs site's generated references from the code, or check that they are current.
 
-    python tools/docs/gen_reference.py            # write docs/reference/{config,commands,metrics}.md
+    python tools/docs/gen_reference.py            # write docs/reference/{config,commands,metrics,support-matrix}.md
     python tools/docs/gen_reference.py --check    # exit 1 naming each page that differs (the tests run this)
 
 - config.md: every leaf key of ``backend.config.schema.Config``: its type, default, allowed values
@@ -10,6 +10,8 @@
   undocumented.
 - commands.md: each command's ``--help``, as its argparse prints it at 100 columns.
 - metrics.md: every metrics.jsonl key, from ``backend.logging.metric_keys``.
+- support-matrix.md: which parallel layouts of 4 ranks each kind of model runs, from the checks a
+  run makes at start (``support_matrix``).
 """
 
 from __future__ import annotations
@@ -220,7 +222,21 @@ def metrics_page() -> str:
     return "\n".join(out)
 
 
-PAGES = {"config.md": config_page, "commands.md": commands_page, "metrics.md": metrics_page}
+def support_page() -> str:
+    try:  # imported as tools.docs.gen_reference (the tests), or run as a script (its folder on the path)
+        from tools.docs.support_matrix import support_page as page
+    except ImportError:
+        from support_matrix import support_page as page
+
+    return GENERATED + "\n\n" + page()
+
+
+PAGES = {
+    "config.md": config_page,
+    "commands.md": commands_page,
+    "metrics.md": metrics_page,
+    "support-matrix.md": support_page,
+}
 
 
 def stale_pages() -> list[str]:
