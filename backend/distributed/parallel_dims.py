@@ -126,8 +126,8 @@ class ParallelDims:
 
     def _pp_errors(self, num_moe_experts, model) -> list[str]:
         """Pipeline stages: at most one a decoder layer; ``pipeline_layers`` one positive count a
-        stage summing to the layers. Not composed yet, refused by name: experts (MoE, EP) and a
-        critic's value head under PP."""
+        stage summing to the layers. Not composed yet, refused by name: experts (MoE, EP). A critic's
+        value head lives on the last stage."""
         out, key = [], f"parallel.pipeline_parallel_size={self.pp}"
         if num_moe_experts or self.ep > 1:
             out.append(f"{key}: MoE models and expert parallelism run with pp 1 (not composed yet)")
@@ -143,8 +143,6 @@ class ParallelDims:
                     f"parallel.pipeline_layers={given}: one count >= 1 per stage ({self.pp}), summing to "
                     f"model.num_layers={layers}"
                 )
-        if getattr(model, "head", "lm") == "value" and self.pp > 1:
-            out.append(f"{key}: a critic's value head (model.head=value) runs with pp 1 (not composed yet)")
         return out
 
     def stage_layers(self, num_layers: int) -> list[int]:

@@ -162,7 +162,7 @@ def build_gpt(
             pre_process=pre,
             post_process=post,
         )
-        if is_value_head(model_cfg):
+        if is_value_head(model_cfg) and post:  # the last pipeline stage's, or the whole model's
             # A critic: a scalar head (hidden -> 1, with a bias, as transformers' token
             # classification ``score``) in place of the vocabulary projection; same name, so the
             # output path and FSDP2 wrapping are unchanged. Weight ~ N(0, init_method_std), bias 0.

@@ -186,8 +186,9 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         elif fields.get("head") == "value" and not has_value_head(hf_dir):
             # a critic from a causal LM: its decoder, and a new head (the causal LM's lm_head unused)
             decoder_only = {**{k: v for k, v in fields.items() if k != "head"}, "tie_embeddings": True}
-            load_hf_weights(model, hf_dir, decoder_only, skip=VALUE_HEAD)
-            init_value_head(model, std=cfg.model.init_method_std, seed=cfg.train.seed)
+            load_hf_weights(model, hf_dir, decoder_only, skip=VALUE_HEAD, stage=stage)
+            if stage is None or stage.post:  # the head lives on the last pipeline stage
+                init_value_head(model, std=cfg.model.init_method_std, seed=cfg.train.seed)
             source = (
                 f"weights from {hf_dir}, value head initialised N(0, {cfg.model.init_method_std:g}) from train.seed"
             )

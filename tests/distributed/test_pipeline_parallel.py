@@ -64,6 +64,8 @@ TWO_RANK_ARMS = {
         "train.dynamic_batch_layout=packed",
     ],
     "fixed_ce": ["train.dynamic_batch_enable=false", "train.micro_batch_size=4"],
+    # PPO's critic: the value head on the last stage, the value loss (clipped) there
+    "critic_value_packed": ["model.head=value", "loss.type=value", "train.dynamic_batch_layout=packed"],
 }
 
 
@@ -72,6 +74,10 @@ def test_pp2_trains_like_pp1(tmp_path, rows, name):
     overrides = list(TWO_RANK_ARMS[name])
     if "loss.type=policy" in overrides:
         overrides.append(f"data.path={rows}")
+    if "loss.type=value" in overrides:
+        from .test_value_equivalence import _rows
+
+        overrides.append(f"data.path={_rows(tmp_path / 'value_rows.jsonl')}")
     ref = run_arm(str(TINY), overrides, nproc=1, steps=STEPS, out_dir=tmp_path, name=f"{name}_pp1")
     other = run_arm(
         str(TINY),

@@ -74,11 +74,6 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
         (["parallel.pipeline_parallel_size=2"], 3, "pipeline parallel size 2 must divide the world size 3"),
         (["parallel.pipeline_parallel_size=2", "model.num_moe_experts=4"], 2, "MoE models and expert parallelism"),
         (
-            ["parallel.pipeline_parallel_size=2", "model.head=value", "loss.type=value"],
-            2,
-            "value head (model.head=value) runs with pp 1",
-        ),
-        (
             ["parallel.pipeline_parallel_size=2", "parallel.pipeline_order=fastest"],
             2,
             "parallel.pipeline_order",
