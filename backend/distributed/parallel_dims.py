@@ -120,17 +120,20 @@ class ParallelDims:
             )
         if self.tp > 1:
             out += self._tp_model_errors(num_moe_experts, model)
+        if self.pp > 1 and self.ep > 1 and not world % self.pp and (world // self.pp) % self.ep:
+            out.append(
+                f"parallel.expert_parallel_size={self.ep}: must divide the {world // self.pp} ranks of a pipeline "
+                f"stage (parallel.pipeline_parallel_size={self.pp}): an EP group stays inside a stage"
+            )
         if self.pp > 1 or self.pipeline_layers:
             out += self._pp_errors(num_moe_experts, model)
         return out
 
     def _pp_errors(self, num_moe_experts, model) -> list[str]:
         """Pipeline stages: at most one a decoder layer; ``pipeline_layers`` one positive count a
-        stage summing to the layers. Not composed yet, refused by name: experts (MoE, EP). A critic's
-        value head lives on the last stage."""
+        stage summing to the layers. MoE layers run on every stage (EP inside a stage: EP groups are
+        blocks of a stage's consecutive ranks); a critic's value head lives on the last stage."""
         out, key = [], f"parallel.pipeline_parallel_size={self.pp}"
-        if num_moe_experts or self.ep > 1:
-            out.append(f"{key}: MoE models and expert parallelism run with pp 1 (not composed yet)")
         if model is None:
             return out
         layers = model.num_layers
@@ -246,7 +249,15 @@ class ParallelDims:
             "pp": pp_group if self.pp > 1 else None,
             "embedding": embedding_group if self.pp > 1 else None,  # first and last stage (tied embeddings)
         }
-        if self.ep > 1:
+        if self.ep > 1 and self.pp > 1:  # experts and their FSDP2 shards inside each stage
+            expert = init_device_mesh(
+                device_type,
+                (self.pp, self.world_size // (self.pp * self.ep), self.ep),
+                mesh_dim_names=("pp", "expert_dp", "ep"),
+            )
+            built.update(expert=expert, expert_dp=expert["expert_dp"], ep=expert.get_group("ep"))
+            built["ep_mesh"] = expert["ep"]
+        elif self.ep > 1:
             expert = init_device_mesh(
                 device_type, (self.world_size // self.ep, self.ep), mesh_dim_names=("expert_dp", "ep")
             )

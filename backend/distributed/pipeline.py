@@ -151,7 +151,9 @@ def check_shapes(shapes: list[tuple[int, int, int]], env, step: int) -> None:
 def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, stage_forward, step: int = 0) -> dict:
     """One window's forwards and backwards through this rank's stage (1F1B): ``last_forward(j,
     mb)`` on the last stage returns the microbatch's scalar objective share, ``stage_forward(mb)``
-    on the others its output hidden states. Gradient sync on the last microbatch's backward only.
+    on the others (output hidden states, a scalar added to the objective or None): the stage's
+    own share of the objective is backpropagated with its output's gradient (a MoE stage's router
+    auxiliary loss). Gradient sync on the last microbatch's backward only.
     Returns this stage's idle seconds waiting for its neighbours and its busy seconds."""
     stages, stage = env.pp_size, env.pp_rank
     group = env.group("pp")
@@ -162,6 +164,7 @@ def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, 
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     sent: dict[tuple[str, int], object] = {}  # isend works by (op, microbatch): each holds its tensor
+    extras: dict[int, torch.Tensor] = {}  # a stage's own objective share by microbatch (MoE aux loss)
     waited = 0.0
     start = time.perf_counter()
     count = len(microbatches)
@@ -177,7 +180,9 @@ def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, 
             if nxt is None:
                 outputs[j] = last_forward(j, mb)
             else:
-                out = stage_forward(mb)
+                out, extra = stage_forward(mb)
+                if extra is not None:
+                    extras[j] = extra
                 if tuple(out.shape) != shapes[j]:
                     raise PipelineShapeError(
                         f"step {step}: stage {stage} produced {tuple(out.shape)} for microbatch {j}, the plan says "
@@ -197,7 +202,11 @@ def run_pipeline(model, microbatches, env, *, hidden: int, dtype, last_forward, 
                 dist.recv(grad, src=nxt, group=group, tag=1)
                 waited += time.perf_counter() - t0
                 _finish(sent, ("F", j))  # the next stage answered j: its activation arrived long ago
-                torch.autograd.backward(out, grad)
+                extra = extras.pop(j, None)
+                if extra is None:
+                    torch.autograd.backward(out, grad)
+                else:
+                    torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
             x = inputs.pop(j, None)
             if x is not None:
                 sent["B", j] = dist.isend(x.grad.to(dtype).contiguous(), dst=prev, group=group, tag=1)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from backend.distributed.collectives import all_gather_tensors
+from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 
 
 @dataclass
@@ -212,7 +212,9 @@ def begin_window(model) -> None:
 def window_metrics(model, num_samples: int, env) -> dict:
     """The window's router metrics over all ranks (collective: every rank calls it); {} for dense models.
     Token counts sum over ``env.group("loss")`` (each token once); the EP balance gathers every
-    rank's counts over the world (EP groups are blocks of the world's ranks)."""
+    rank's counts over the same group (EP groups are blocks of its ranks: the world's, or a
+    pipeline stage's); under pipeline parallelism each stage's layers are then gathered over the
+    pipeline, so the auxiliary loss sums every layer once."""
     stats = stats_of(model)
     if stats is None:
         return {}
@@ -225,13 +227,22 @@ def window_metrics(model, num_samples: int, env) -> dict:
     if dist.is_initialized():
         dist.all_reduce(packed, group=env.group("loss"))
     counts, aux = packed[:-1].view(layers, e), float(packed[-1])
+    imbalance = None
+    if stats.ep_size > 1:  # over this stage's ranks (the whole world without pipelining): EP groups are blocks of them
+        imbalance = _ep_imbalance(stats, packed.new_zeros(layers, e), env.group("loss"))
+    if getattr(env, "pp_size", 1) > 1:  # every stage's layers, each counted once (stage order = layer order)
+        parts = all_gather_objects((counts.cpu(), aux, imbalance), group=env.group("pp"))
+        counts = torch.cat([c for c, _, _ in parts])
+        aux = sum(a for _, a, _ in parts)
+        imbalance = None if imbalance is None else max(i for _, _, i in parts)
+        layers = counts.shape[0]
     mean = counts.mean(-1).clamp(min=1e-12)
     out = {
         "moe_aux_loss": aux / max(1, num_samples) / layers,
         "moe_tokens_per_expert_max_over_mean": float((counts.max(-1).values / mean).max()),
     }
-    if stats.ep_size > 1:
-        out["moe_ep_tokens_max_over_mean"] = _ep_imbalance(stats, packed.new_zeros(layers, e), env.group("world"))
+    if imbalance is not None:
+        out["moe_ep_tokens_max_over_mean"] = imbalance
     return out
 
 

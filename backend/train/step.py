@@ -104,12 +104,18 @@ def _pipeline_window(model, data: StepData, env, microbatch_objective, microbatc
     mbs = [placeholder_microbatch(env.cp_size, env.sp_size) if mb.is_empty else mb for mb in mbs]
     mbs = [mb.to(env.device) for mb in mbs]
 
+    samples = max(1, len(data.window_ids))
+
     def last_forward(j, mb):
         with microbatch_hook(order[j]) if microbatch_hook is not None else contextlib.nullcontext():
-            return microbatch_objective(mb)
+            total = microbatch_objective(mb)
+            aux = moe_stats.take_microbatch_aux(model)  # this stage's MoE layers' share (as at PP 1)
+            return total if aux is None else total + aux / samples
 
     def stage_forward(mb):
-        return microbatch_hidden(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+        out = microbatch_hidden(model, mb, env.cp_group, route_rows=mb.sample_ids >= 0)
+        aux = moe_stats.take_microbatch_aux(model)
+        return out, None if aux is None else aux / samples
 
     hidden = model.config.hidden_size
     times = run_pipeline(

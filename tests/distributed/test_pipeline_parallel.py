@@ -67,6 +67,16 @@ TWO_RANK_ARMS = {
     # PPO's critic: the value head on the last stage, the value loss (clipped) there
     "critic_value_packed": ["model.head=value", "loss.type=value", "train.dynamic_batch_layout=packed"],
 }
+#: A GPT-OSS-style model: MoE (4 experts, top 2, its router's auxiliary loss), sinks, windows.
+MOE = [
+    "model.num_moe_experts=4",
+    "model.moe_router_topk=2",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.attention_sinks=true",
+    "model.sliding_window=64",
+    "model.attention_backend=sdpa",
+    "train.dynamic_batch_layout=packed",
+]
 
 
 @pytest.mark.parametrize("name", list(TWO_RANK_ARMS))
@@ -98,6 +108,28 @@ def test_four_ranks_with_pp2_train_like_two_without(tmp_path, layout):
     ref = run_arm(str(TINY), overrides, nproc=2, steps=STEPS, out_dir=tmp_path, name="pp1")
     other = run_arm(
         str(TINY), [*overrides, "parallel.pipeline_parallel_size=2"], nproc=4, steps=STEPS, out_dir=tmp_path, name="pp2"
+    )
+    _same_training(ref, other)
+
+
+def test_moe_at_pp2_trains_like_pp1_and_with_ep2_inside_the_stages(tmp_path):
+    """MoE layers on every stage, each stage's router auxiliary loss in its own backward (and its
+    metric summed over the stages once); then ep 2 x pp 2 on 4 ranks like ep 2 on 2."""
+    ref = run_arm(str(TINY), MOE, nproc=1, steps=STEPS, out_dir=tmp_path, name="moe_pp1")
+    other = run_arm(
+        str(TINY), [*MOE, "parallel.pipeline_parallel_size=2"], nproc=2, steps=STEPS, out_dir=tmp_path, name="moe_pp2"
+    )
+    _same_training(ref, other)
+    assert other["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-6) and min(ref["moe_aux_loss"]) > 0
+    ep = [*MOE, "parallel.expert_parallel_size=2"]
+    ref = run_arm(str(TINY), ep, nproc=2, steps=STEPS, out_dir=tmp_path, name="moe_ep2")
+    other = run_arm(
+        str(TINY),
+        [*ep, "parallel.pipeline_parallel_size=2"],
+        nproc=4,
+        steps=STEPS,
+        out_dir=tmp_path,
+        name="moe_ep2_pp2",
     )
     _same_training(ref, other)
 
