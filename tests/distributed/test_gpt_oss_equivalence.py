@@ -43,6 +43,7 @@ def arms(tmp_path_factory, embedded_cache):
     dynamic = common + ["train.dynamic_batch_enable=true"]
     packed = dynamic + ["train.dynamic_batch_layout=packed"]
     cp2 = ["parallel.context_parallel_size=2"]
+    pp2 = ["parallel.pipeline_parallel_size=2"]
 
     def ep(size):
         return [f"parallel.expert_parallel_size={size}"]
@@ -62,6 +63,9 @@ def arms(tmp_path_factory, embedded_cache):
         "packed_cp2_ep2": arm("packed_cp2_ep2", packed + cp2 + ep(2)),
         "dynamic_dp2cp2_ep4": arm("dynamic_dp2cp2_ep4", dynamic + cp2 + ep(4), nproc=4),
         "packed_dp2cp2_ep2": arm("packed_dp2cp2_ep2", packed + cp2 + ep(2), nproc=4),
+        # pipeline parallelism: each stage imports its own layer (experts, sinks, window) from the checkpoint
+        "packed_pp2": arm("packed_pp2", packed + pp2),
+        "packed_dp2_ep2_pp2": arm("packed_dp2_ep2_pp2", packed + ep(2) + pp2, nproc=4),
     }
 
 
@@ -125,3 +129,12 @@ def test_expert_parallel_trains_like_ep1(arms, ref, name):
     for key in ("moe_aux_loss", "moe_tokens_per_expert_max_over_mean"):
         a, b = arms[ref][key], arms[name][key]
         assert all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, b, strict=True)), (key, a, b)
+
+
+@pytest.mark.parametrize("name", ["packed_pp2", "packed_dp2_ep2_pp2"])
+def test_pipeline_parallel_gives_the_same_moe_training(arms, name):
+    """A tiny GPT-OSS imported per stage (each stage reads only its layer: experts with biases,
+    sinks, the sliding window on layer 0, YaRN): PP 2, and ep 2 x pp 2 on 4 ranks, train like the
+    same packed plan without pipelining; the router statistics gather both stages' layers once."""
+    assert arms[name]["pipeline_parallel_size"] == 2 and arms[name]["stage_layers"] == [1, 1]
+    _assert_same_moe_training(arms, name, param_tol=2e-5)

@@ -72,7 +72,11 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
             "parallel.pipeline_layers=[2, 1]: one count >= 1 per stage (2), summing to model.num_layers=2",
         ),
         (["parallel.pipeline_parallel_size=2"], 3, "pipeline parallel size 2 must divide the world size 3"),
-        (["parallel.pipeline_parallel_size=2", "model.num_moe_experts=4"], 2, "MoE models and expert parallelism"),
+        (
+            ["parallel.pipeline_parallel_size=2", "model.num_moe_experts=4", "parallel.expert_parallel_size=4"],
+            4,
+            "parallel.expert_parallel_size=4: must divide the 2 ranks of a pipeline stage",
+        ),
         (
             ["parallel.pipeline_parallel_size=2", "parallel.pipeline_order=fastest"],
             2,
