@@ -171,11 +171,17 @@ class ParallelDims:
         """What TP splits must divide by it: query heads and KV heads (each TP rank keeps
         heads / tp query heads and their query groups; KV heads are split, never replicated, so a
         model with fewer KV heads than tp is refused), the FFN. Attention sinks split with their
-        heads; a critic's one-output head is whole on every TP rank (``model.value_head``). Not
-        composed yet, refused by name: MoE (experts with TP), Liger's fused kernel."""
+        heads; a critic's one-output head is whole on every TP rank (``model.value_head``). MoE
+        layers are token-parallel over TP (experts whole, each rank its sequence-parallel slice of
+        the tokens: sequence parallelism required). Not composed yet, refused by name: Liger's
+        fused kernel."""
         tp, out, key = self.tp, [], f"parallel.tensor_parallel_size={self.tp}"
-        if num_moe_experts:
-            out.append(f"{key}: MoE models (model.num_moe_experts={num_moe_experts}) run with tp 1 (use EP)")
+        if num_moe_experts and not self.sequence_parallel:
+            out.append(
+                f"{key}: MoE models (model.num_moe_experts={num_moe_experts}) under TP need "
+                "parallel.sequence_parallel=true (each TP rank routes its own slice of the tokens)"
+            )
+
         if model is None:
             return out
         heads = model.num_attention_heads

@@ -153,7 +153,10 @@ def init_distributed(
     ps = import_megatron_module("megatron.core.parallel_state")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp, context_parallel_size=dims.cp
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            context_parallel_size=dims.cp,
+            expert_tensor_parallel_size=1,  # experts are never split over TP (moe_compat)
         )
     rank = dist.get_rank()
     where = dims.coords(rank)

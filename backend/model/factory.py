@@ -172,11 +172,13 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     stage = stage_names(cfg.model, env) if env.pp_size > 1 else None
     if stage is not None:  # the whole model's count (a stage's slices are counted by the summary)
         whole_meta = _meta_model(cfg, vocab, backend, env)
-        num_parameters = whole_numel(record_layout(whole_meta, env.group("tp")), whole_meta)
+        num_parameters = whole_numel(record_layout(whole_meta, env.group("tp"), ep_size=env.ep_size), whole_meta)
     if hf_dir or empty:
         model = _meta_model(cfg, vocab, backend, env, stage)
         _check_no_buffers(model)
-        stage_count = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        stage_count = whole_numel(
+            record_layout(model, env.group("tp"), ep_size=env.ep_size), model
+        )  # TP slices counted whole
         num_parameters = stage_count if stage is None else num_parameters
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
@@ -208,7 +210,9 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
             whole, model = model, _stage_model(cfg, vocab, backend, env, stage)
             copy_from_whole(model, whole, stage)
             del whole
-        stage_count = whole_numel(record_layout(model, env.group("tp")), model)  # TP slices counted whole
+        stage_count = whole_numel(
+            record_layout(model, env.group("tp"), ep_size=env.ep_size), model
+        )  # TP slices counted whole
         num_parameters = stage_count if stage is None else num_parameters
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))

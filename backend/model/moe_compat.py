@@ -144,6 +144,9 @@ def moe_config_kwargs(
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_token_dispatcher_type="allgather",
+        # Experts whole on every rank (never split over TP): under TP each rank routes its own
+        # sequence-parallel slice of the tokens through them (tensor_parallel.py), as under CP.
+        expert_tensor_parallel_size=1,
         moe_grouped_gemm=False,
         add_bias_linear=True,
         gated_linear_unit=True,

@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from backend.distributed.collectives import all_gather_objects, all_gather_tensors
 
+from .tensor_parallel import tp_layout
+
 
 @dataclass
 class MoEStats:
@@ -56,7 +58,8 @@ class MoEStats:
     num_experts: int
     ep_size: int = 1  # expert parallelism: experts [j E/EP, (j + 1) E/EP) live on EP rank j
     worst_case: bool = False  # the memory probe's routing: every token to EP rank 0's experts
-    current: tuple | None = None  # (valid [s*b] bool, group [s*b] int64, groups, cp_group) during a routed forward
+    # (valid [s*b] bool, group [s*b] int64, groups, the groups holding a sample's other tokens: CP, TP)
+    current: tuple | None = None
     mb_aux: torch.Tensor | None = None  # sum over this microbatch's samples and layers of coeff * L_s
     counts: torch.Tensor | None = None  # [layers, E] float64 routed tokens of this rank in the window
     aux_sum: torch.Tensor | None = None  # sum over this rank's samples and layers of L_s (its share under CP)
@@ -69,7 +72,7 @@ class MoEStats:
 
 
 def _layer_stats(stats: MoEStats, router, logits: torch.Tensor, routing_map: torch.Tensor) -> None:
-    valid, group, groups, cp_group = stats.current
+    valid, group, groups, token_groups = stats.current
     e = logits.shape[-1]
     with torch.set_grad_enabled(torch.is_grad_enabled() and stats.coeff > 0):
         scores = torch.softmax(logits.float().reshape(-1, e), dim=-1)  # [tokens, E], token order s-major
@@ -79,9 +82,9 @@ def _layer_stats(stats: MoEStats, router, logits: torch.Tensor, routing_map: tor
         local_counts = per_group.index_add(0, group, routed * m)  # [G, E]
         counts = local_counts.clone()
         ntok = scores.new_zeros(groups, dtype=torch.float32).index_add(0, group, m[:, 0])  # [G]
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:
-            dist.all_reduce(counts, group=cp_group)
-            dist.all_reduce(ntok, group=cp_group)
+        for other in token_groups:  # the ranks holding the rest of each sample's tokens (CP, TP)
+            dist.all_reduce(counts, group=other)
+            dist.all_reduce(ntok, group=other)
         psum = per_group.index_add(0, group, scores * m)  # [G, E]: this rank's share of P (differentiable)
         denom = ntok.clamp(min=1.0)[:, None]
         per_seq = e * (counts / (denom * stats.topk) * psum / denom).sum(-1)  # [G]; empty groups give 0
@@ -186,8 +189,15 @@ def routing_context(
     groups = groups.to(valid.device)
     count = int(rows.numel()) if rows is not None else int(groups.max()) + 1 if groups.numel() else 1
     v = valid if rows is None else valid & rows.to(valid.device)[groups]
+    token_groups = [g for g in (cp_group,) if g is not None and dist.get_world_size(g) > 1]
+    tp = tp_layout(model)
+    if tp.size > 1:  # sequence parallelism: the MoE layer sees this rank's 1/tp of the positions
+        chunk = s // tp.size
+        part = slice(dist.get_rank(tp.group) * chunk, (dist.get_rank(tp.group) + 1) * chunk)
+        v, groups = v[:, part], groups[:, part]
+        token_groups.append(tp.group)
     # megatron-core routes tokens in [s, b] order: flatten ours the same way.
-    stats.current = (v.t().reshape(-1), groups.t().reshape(-1), count, cp_group)
+    stats.current = (v.t().reshape(-1), groups.t().reshape(-1), count, tuple(token_groups))
     try:
         yield
     finally:
@@ -226,6 +236,8 @@ def window_metrics(model, num_samples: int, env) -> dict:
         packed = torch.cat([stats.counts.flatten(), stats.aux_sum.reshape(1)])
     if dist.is_initialized():
         dist.all_reduce(packed, group=env.group("loss"))
+    if tp_layout(model).size > 1:  # under TP each rank routed its own slice of the tokens
+        dist.all_reduce(packed, group=tp_layout(model).group)
     counts, aux = packed[:-1].view(layers, e), float(packed[-1])
     imbalance = None
     if stats.ep_size > 1:  # over this stage's ranks (the whole world without pipelining): EP groups are blocks of them

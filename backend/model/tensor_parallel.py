@@ -18,7 +18,11 @@ SwiGLU ``linear_fc1`` has stride 2: rank r keeps [gate_r; up_r], not one contigu
 Gradients TP must add (``sum_partial_grads``, after the backward, before the norm and update): a
 norm's weight under sequence parallelism (each rank normalised a 1/tp slice of the tokens) and
 the QK-norm weights always (each rank normalised its own heads): megatron-core's
-``finalize_model_grads`` adds the same ones over the TP group.
+``finalize_model_grads`` adds the same ones over the TP group. MoE layers under TP (sequence
+parallelism required): the router and the experts are whole on every TP rank (expert tensor
+parallelism 1), and each rank routes only its sequence-parallel slice of the tokens through them,
+so their gradients are partial over TP too, and the router statistics sum over TP as over CP
+(``moe_stats``): the MoE layer is token-parallel over TP, with no gather of the tokens.
 """
 
 from __future__ import annotations
@@ -65,16 +69,24 @@ def torch_norm_class():
     return TorchNorm
 
 
-def record_layout(model: torch.nn.Module, group) -> TPLayout:
+def record_layout(model: torch.nn.Module, group, *, ep_size: int = 1) -> TPLayout:
     """Read the split of every parameter from megatron-core's attributes (before FSDP2 replaces the
-    parameters) and keep it on the model as ``model.tp_layout``."""
+    parameters) and keep it on the model as ``model.tp_layout``. ``ep_size`` > 1: the experts'
+    gradients are whole already (every token routed to an expert reaches its rank through the
+    all-to-all, and FSDP2 sums its copies over ``expert_dp``, which spans the TP ranks)."""
     layout = TPLayout(group=group)
     if group is not None and group.size() > 1:
         for name, p in model.named_parameters():
             name = plain_name(name)
             if getattr(p, "tensor_model_parallel", False):
                 layout.splits[name] = (int(p.partition_dim), int(getattr(p, "partition_stride", 1)))
-            elif getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
+            elif (
+                getattr(p, "sequence_parallel", False)
+                or "q_layernorm" in name
+                or "k_layernorm" in name
+                or ".mlp.router." in name  # MoE under TP: each rank routes its own slice of the tokens
+                or (".mlp.experts." in name and ep_size == 1)  # through whole experts (moe_compat)
+            ):
                 layout.partial_grads += (name,)
     model.tp_layout = layout
     return layout

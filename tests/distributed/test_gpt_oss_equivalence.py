@@ -44,6 +44,7 @@ def arms(tmp_path_factory, embedded_cache):
     packed = dynamic + ["train.dynamic_batch_layout=packed"]
     cp2 = ["parallel.context_parallel_size=2"]
     pp2 = ["parallel.pipeline_parallel_size=2"]
+    tp2 = ["parallel.tensor_parallel_size=2"]
 
     def ep(size):
         return [f"parallel.expert_parallel_size={size}"]
@@ -66,6 +67,9 @@ def arms(tmp_path_factory, embedded_cache):
         # pipeline parallelism: each stage imports its own layer (experts, sinks, window) from the checkpoint
         "packed_pp2": arm("packed_pp2", packed + pp2),
         "packed_dp2_ep2_pp2": arm("packed_dp2_ep2_pp2", packed + ep(2) + pp2, nproc=4),
+        # tensor parallelism: attention split, experts whole, each TP rank routing its own slice
+        "packed_tp2": arm("packed_tp2", packed + tp2),
+        "packed_dp2_tp2_ep2": arm("packed_dp2_tp2_ep2", packed + tp2 + ep(2), nproc=4),
     }
 
 
@@ -137,4 +141,15 @@ def test_pipeline_parallel_gives_the_same_moe_training(arms, name):
     sinks, the sliding window on layer 0, YaRN): PP 2, and ep 2 x pp 2 on 4 ranks, train like the
     same packed plan without pipelining; the router statistics gather both stages' layers once."""
     assert arms[name]["pipeline_parallel_size"] == 2 and arms[name]["stage_layers"] == [1, 1]
+    _assert_same_moe_training(arms, name, param_tol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["packed_tp2", "packed_dp2_tp2_ep2"])
+def test_tensor_parallel_gives_the_same_moe_training(arms, name):
+    """GPT-OSS under TP (sequence parallelism): attention, its biases and sinks split by heads; the
+    router and the experts whole on every rank, each TP rank routing its own slice of the tokens
+    (their gradients added over TP; at EP 2 the experts' all-to-all runs over ranks that hold
+    distinct tokens, TP ranks included). Against the same packed plan without TP."""
+    assert arms[name]["tensor_parallel_size"] == 2
+    assert arms[name]["layer_numel_held"] < arms[name]["layer_numel_whole"]  # attention really split
     _assert_same_moe_training(arms, name, param_tol=2e-5)
