@@ -101,9 +101,10 @@ def test_tensor_parallel_takes_sinks_and_the_critic():
         validate(load_config(None, ["parallel.tensor_parallel_size=2", *extra]), world_size=2)
 
 
-def test_tensor_parallel_refuses_moe_by_name():
-    errors = ParallelDims(world_size=2, tp=2).errors(num_moe_experts=4)
-    assert any("MoE models (model.num_moe_experts=4) run with tp 1" in e for e in errors), errors
+def test_tensor_parallel_takes_moe_with_sequence_parallelism_and_refuses_it_without_by_name():
+    assert ParallelDims(world_size=4, tp=2, ep=2).errors(num_moe_experts=4) == []
+    errors = ParallelDims(world_size=2, tp=2, sequence_parallel=False).errors(num_moe_experts=4)
+    assert any("under TP need parallel.sequence_parallel=true" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
