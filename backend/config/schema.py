@@ -503,8 +503,9 @@ class VLLMServerConfig:
     # Seconds one generate or probe request may take before the step stops naming the server.
     request_timeout_s: float = 600.0
     # Seconds one weight sync may take (its broadcasts are bounded by it: a server that stopped
-    # taking them is named, never waited for forever).
-    sync_timeout_s: float = 600.0
+    # taking them is named, never waited for forever). Below the trainer's own collective timeout
+    # (600 s), so the other ranks, waiting in the weight stream's gathers, hear of it first.
+    sync_timeout_s: float = 300.0
     # The most bytes one broadcast of a sync carries, in MiB (a larger tensor goes alone).
     bucket_mib: int = 512
     # The address the servers reach the trainer's rank 0 at for the weight broadcasts (empty: the

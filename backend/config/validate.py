@@ -172,6 +172,10 @@ def _blend_errors(d) -> list[str]:
     return errors
 
 
+#: The trainer's process-group timeout (``init_distributed``'s default).
+COLLECTIVE_TIMEOUT_S = 600.0
+
+
 def _vllm_server_errors(rl) -> list[str]:
     v = rl.vllm_server
     errors = []
@@ -185,6 +189,11 @@ def _vllm_server_errors(rl) -> list[str]:
         value = getattr(v, key)
         if not (math.isfinite(value) and value > 0):
             errors.append(f"rl.vllm_server.{key}={value}: must be > 0")
+    if v.sync_timeout_s >= COLLECTIVE_TIMEOUT_S:
+        errors.append(
+            f"rl.vllm_server.sync_timeout_s={v.sync_timeout_s}: must be below the trainer's collective timeout "
+            f"({COLLECTIVE_TIMEOUT_S:g} s): the other ranks wait in the weight stream's gathers meanwhile"
+        )
     for url in v.urls:
         if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             errors.append(f"rl.vllm_server.urls: {url!r} is not an http(s) URL (e.g. http://node7:8000)")

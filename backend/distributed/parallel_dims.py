@@ -32,7 +32,9 @@ Purposes (``group`` / ``mesh``), as torchtitan's ``ParallelDims.get_mesh`` names
 - ``"cp"``, ``"ep"``, ``"tp"``, ``"pp"``: one dimension's group; None when that dimension has size 1
   (every helper then communicates nothing). ``"embedding"``: a pipeline's first and last stage
   (their tied embedding copies' gradients are summed over it). With pp > 1 the "fsdp" mesh, the
-  "loss" and "batch" groups are those of this rank's stage. ``"expert"`` / ``"expert_dp"`` / ``"ep"`` meshes with ep > 1.
+  "loss" and "batch" groups are those of this rank's stage. ``"stage"``: every rank of this rank's
+  pipeline stage (the world at pp 1): EP groups are blocks of its ranks. ``"expert"`` /
+  ``"expert_dp"`` / ``"ep"`` meshes with ep > 1.
 
 This module imports no torch at import time: the config's validation uses the sizes and checks.
 """
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GROUPS = ("world", "loss", "batch", "cp", "ep", "tp", "pp", "embedding")
+GROUPS = ("world", "loss", "batch", "cp", "ep", "tp", "pp", "embedding", "stage")
 MESHES = ("fsdp", "expert", "expert_dp", "ep")
 
 
@@ -244,8 +246,15 @@ class ParallelDims:
             fsdp = init_device_mesh(device_type, (self.dp * self.cp, self.tp), mesh_dim_names=("fsdp", "tp"))["fsdp"]
         else:
             fsdp = init_device_mesh(device_type, (self.dp * self.cp,), mesh_dim_names=("fsdp",))
+        stage = dist.group.WORLD
+        if self.pp > 1:
+            per_stage = self.world_size // self.pp
+            stage = init_device_mesh(device_type, (self.pp, per_stage), mesh_dim_names=("pp", "stage")).get_group(
+                "stage"
+            )
         built = {
             "world": dist.group.WORLD,
+            "stage": stage,
             "fsdp": fsdp,
             "loss": fsdp.get_group(),
             "batch": batch_group,

@@ -76,8 +76,11 @@ def send(
     for bucket, total in zip(plan, sizes):
         offset = 0
         for i in bucket:
-            name, tensor = next(stream)
             want, dtype, shape = metadata[i]
+            item = next(stream, None)
+            if item is None:
+                raise ValueError(f"weight stream: it ended before {want}, which {who}'s metadata lists next")
+            name, tensor = item
             if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                 raise ValueError(
                     f"weight stream: got {name} {tuple(tensor.shape)} {tensor.dtype}, {who} expects {want} "

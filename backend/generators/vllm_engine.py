@@ -94,7 +94,8 @@ if WeightTransferEngine is not None:
                 (n, DTYPES[d], tuple(s))
                 for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
             ]
-            for pairs in receive(self.pg, metadata, limit=update_info.bucket_bytes):
+            # a buffer a bucket: the layerwise reload keeps a layer's tensors until it is complete
+            for pairs in receive(self.pg, metadata, limit=update_info.bucket_bytes, reuse=False):
                 self.model.load_weights(pairs)
 
         def finish_weight_update(self) -> None:

@@ -250,7 +250,8 @@ class VLLMServerGenerator:
                 "bucket_bytes": self.settings.bucket_mib * 2**20,
             }
             timeout = self.settings.sync_timeout_s
-            with ThreadPoolExecutor(max_workers=1) as pool:
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:
                 answered = pool.submit(
                     self._on_every,
                     lambda url: self._post(url, "/update_weights", {"update_info": info}, timeout=timeout),
@@ -268,6 +269,8 @@ class VLLMServerGenerator:
                         f"{timeout:g}); servers not answering: {', '.join(self.silent()) or 'none'}: {e}"
                     ) from None
                 answered.result()
+            finally:  # on an error, never wait here for a request to a server that may hang
+                pool.shutdown(wait=False, cancel_futures=True)
             label = {"weight_version": str(version)}
             self._on_every(lambda url: self._post(url, "/finish_weight_update", label), what="finish_weight_update")
             self._on_every(lambda url: self._post(url, "/reset_prefix_cache"), what="reset_prefix_cache")

@@ -221,9 +221,9 @@ def begin_window(model) -> None:
 
 def window_metrics(model, num_samples: int, env) -> dict:
     """The window's router metrics over all ranks (collective: every rank calls it); {} for dense models.
-    Token counts sum over ``env.group("loss")`` (each token once); the EP balance gathers every
-    rank's counts over the same group (EP groups are blocks of its ranks: the world's, or a
-    pipeline stage's); under pipeline parallelism each stage's layers are then gathered over the
+    Token counts sum over ``env.group("loss")`` (each token once, then over TP, whose ranks route
+    their own slices); the EP balance gathers every rank's own counts over ``"stage"`` (EP groups
+    are blocks of its ranks: the world's, or a pipeline stage's, TP ranks included); under pipeline parallelism each stage's layers are then gathered over the
     pipeline, so the auxiliary loss sums every layer once."""
     stats = stats_of(model)
     if stats is None:
@@ -240,8 +240,8 @@ def window_metrics(model, num_samples: int, env) -> dict:
         dist.all_reduce(packed, group=tp_layout(model).group)
     counts, aux = packed[:-1].view(layers, e), float(packed[-1])
     imbalance = None
-    if stats.ep_size > 1:  # over this stage's ranks (the whole world without pipelining): EP groups are blocks of them
-        imbalance = _ep_imbalance(stats, packed.new_zeros(layers, e), env.group("loss"))
+    if stats.ep_size > 1:  # over this stage's ranks (the world without pipelining): EP groups are blocks of them
+        imbalance = _ep_imbalance(stats, packed.new_zeros(layers, e), env.group("stage"))
     if getattr(env, "pp_size", 1) > 1:  # every stage's layers, each counted once (stage order = layer order)
         parts = all_gather_objects((counts.cpu(), aux, imbalance), group=env.group("pp"))
         counts = torch.cat([c for c, _, _ in parts])

@@ -42,6 +42,10 @@ class TPLayout:
     splits: dict[str, tuple[int, int]] = field(default_factory=dict)
     partial_grads: tuple[str, ...] = ()
     group: object = None
+    # Parameters held once over the whole world although not split over TP: the experts under
+    # expert parallelism (their (expert_dp, ep) mesh covers every rank once, TP ranks included),
+    # so a gradient norm counts them once, not once a TP rank.
+    held_once: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -88,6 +92,8 @@ def record_layout(model: torch.nn.Module, group, *, ep_size: int = 1) -> TPLayou
                 or (".mlp.experts." in name and ep_size == 1)  # through whole experts (moe_compat)
             ):
                 layout.partial_grads += (name,)
+            if ".mlp.experts." in name and ep_size > 1:
+                layout.held_once += (name,)
     model.tp_layout = layout
     return layout
 

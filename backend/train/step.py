@@ -145,7 +145,8 @@ def apply_update(
     layout = tp_layout(model)
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     params = [p for _, p in named]
-    copies = [1 if plain_name(n) in layout.splits else layout.size for n, _ in named] if layout.size > 1 else None
+    once = set(layout.splits) | set(layout.held_once)  # TP slices, and experts under EP: each element once
+    copies = [1 if plain_name(n) in once else layout.size for n, _ in named] if layout.size > 1 else None
     stage = getattr(model, "stage_names", None)
     if stage is not None:  # pipeline: one sum over every stage's shards; the tied copy counted once (on stage 0)
         copies = copies or [1] * len(named)

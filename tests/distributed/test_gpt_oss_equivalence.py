@@ -153,3 +153,7 @@ def test_tensor_parallel_gives_the_same_moe_training(arms, name):
     assert arms[name]["tensor_parallel_size"] == 2
     assert arms[name]["layer_numel_held"] < arms[name]["layer_numel_whole"]  # attention really split
     _assert_same_moe_training(arms, name, param_tol=2e-5)
+    # the clipped norm counts every element once (experts under EP held once over the world)
+    assert arms[name]["grad_norm"] == pytest.approx(arms["packed"]["grad_norm"], rel=1e-5)
+    if arms[name]["expert_parallel_size"] > 1:  # the EP groups' balance, over their real members
+        assert all(v >= 1.0 for v in arms[name]["moe_ep_tokens_max_over_mean"])
