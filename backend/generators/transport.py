@@ -98,14 +98,17 @@ def send(
 
 
 def receive(
-    pg, metadata: Metadata, *, limit: int = BUCKET_BYTES, device="cpu"
+    pg, metadata: Metadata, *, limit: int = BUCKET_BYTES, device="cpu", reuse: bool = True
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Each bucket as it arrives: its (name, tensor) pairs, views of a buffer reused for the next
-    bucket (consume them before asking for the next)."""
+    """Each bucket as it arrives: its (name, tensor) pairs, views of one buffer. ``reuse``: the
+    buffer is reused for the next bucket (consume the pairs before asking for it); False: a
+    buffer of its own a bucket, for a receiver that keeps references (vLLM's layerwise reload
+    holds a layer's tensors until the layer is complete, which may be in the next bucket)."""
     plan = buckets(metadata, limit)
     sizes = bucket_sizes(plan, metadata)
-    buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    shared = torch.empty(max(sizes, default=0), dtype=torch.uint8) if reuse else None
     for bucket, total in zip(plan, sizes):
+        buffer = shared if reuse else torch.empty(total, dtype=torch.uint8)
         broadcast(pg, buffer[:total])
         offset, pairs = 0, []
         for i in bucket:
