@@ -42,6 +42,13 @@ def rows(tmp_path_factory):
     return write_rows(tmp_path_factory.mktemp("pp_rows") / "rows.jsonl", rl_rows(16, seed=8, max_len=150))
 
 
+def _arms(tmp_path, overrides: list[str], nproc: int, name: str) -> tuple[dict, dict]:
+    """The same run on ``nproc`` ranks without pipelining and on 2 x ``nproc`` ranks at PP 2."""
+    ref = run_arm(str(TINY), overrides, nproc=nproc, steps=STEPS, out_dir=tmp_path, name=f"{name}_pp1")
+    pp2 = [*overrides, "parallel.pipeline_parallel_size=2"]
+    return ref, run_arm(str(TINY), pp2, nproc=2 * nproc, steps=STEPS, out_dir=tmp_path, name=f"{name}_pp2")
+
+
 def _same_training(ref: dict, other: dict, pp: int = 2) -> None:
     result = compare(ref, other)
     print({k: result[k] for k in ("loss_rel_diff", "grad_cosine", "max_param_diff")})
@@ -88,50 +95,23 @@ def test_pp2_trains_like_pp1(tmp_path, rows, name):
         from .test_value_equivalence import _rows
 
         overrides.append(f"data.path={_rows(tmp_path / 'value_rows.jsonl')}")
-    ref = run_arm(str(TINY), overrides, nproc=1, steps=STEPS, out_dir=tmp_path, name=f"{name}_pp1")
-    other = run_arm(
-        str(TINY),
-        [*overrides, "parallel.pipeline_parallel_size=2"],
-        nproc=2,
-        steps=STEPS,
-        out_dir=tmp_path,
-        name=f"{name}_pp2",
-    )
-    _same_training(ref, other)
+    _same_training(*_arms(tmp_path, overrides, 1, name))
 
 
 @pytest.mark.parametrize(
     "layout", [[], ["parallel.tensor_parallel_size=2"], ["parallel.context_parallel_size=2"]], ids=["dp2", "tp2", "cp2"]
 )
 def test_four_ranks_with_pp2_train_like_two_without(tmp_path, layout):
-    overrides = ["train.dynamic_batch_layout=packed", *layout]
-    ref = run_arm(str(TINY), overrides, nproc=2, steps=STEPS, out_dir=tmp_path, name="pp1")
-    other = run_arm(
-        str(TINY), [*overrides, "parallel.pipeline_parallel_size=2"], nproc=4, steps=STEPS, out_dir=tmp_path, name="pp2"
-    )
-    _same_training(ref, other)
+    _same_training(*_arms(tmp_path, ["train.dynamic_batch_layout=packed", *layout], 2, "packed"))
 
 
 def test_moe_at_pp2_trains_like_pp1_and_with_ep2_inside_the_stages(tmp_path):
     """MoE layers on every stage, each stage's router auxiliary loss in its own backward (and its
     metric summed over the stages once); then ep 2 x pp 2 on 4 ranks like ep 2 on 2."""
-    ref = run_arm(str(TINY), MOE, nproc=1, steps=STEPS, out_dir=tmp_path, name="moe_pp1")
-    other = run_arm(
-        str(TINY), [*MOE, "parallel.pipeline_parallel_size=2"], nproc=2, steps=STEPS, out_dir=tmp_path, name="moe_pp2"
-    )
+    ref, other = _arms(tmp_path, MOE, 1, "moe")
     _same_training(ref, other)
     assert other["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-6) and min(ref["moe_aux_loss"]) > 0
-    ep = [*MOE, "parallel.expert_parallel_size=2"]
-    ref = run_arm(str(TINY), ep, nproc=2, steps=STEPS, out_dir=tmp_path, name="moe_ep2")
-    other = run_arm(
-        str(TINY),
-        [*ep, "parallel.pipeline_parallel_size=2"],
-        nproc=4,
-        steps=STEPS,
-        out_dir=tmp_path,
-        name="moe_ep2_pp2",
-    )
-    _same_training(ref, other)
+    _same_training(*_arms(tmp_path, [*MOE, "parallel.expert_parallel_size=2"], 2, "moe_ep2"))
 
 
 def test_four_stages_with_middle_ones_train_like_one(tmp_path):
