@@ -109,9 +109,10 @@ class ParallelEnv:
         return self.dims.group(purpose)
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now ("": every interface, for peers on other machines)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -129,7 +130,7 @@ def init_distributed(
     """Join (or, run without torchrun, form a one-process) world and build the parallel groups."""
     if "RANK" not in os.environ:  # a plain `python -m backend.train`: a world of one on loopback
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

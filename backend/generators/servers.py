@@ -30,7 +30,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from pathlib import Path
 
 import requests
 import torch
+
+from backend.distributed.setup import free_port
 
 from .vllm_cpu import cpu_scheduling
 
@@ -62,12 +63,6 @@ class ServerProcess:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -149,7 +144,7 @@ def start_servers(hf_config: dict, settings, *, max_model_len: int, log_dir=None
         for i in range(settings.num_engines):
             model_dir = tempfile.TemporaryDirectory(prefix="vllm_server_config_")
             (Path(model_dir.name) / "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
-            port = _free_port()
+            port = free_port()
             env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:

@@ -39,6 +39,8 @@ from urllib.parse import urlparse
 import requests
 import torch
 
+from backend.distributed.setup import free_port
+
 from . import transport
 from .results import Completion, Rollout, SyncStats
 from .servers import ServerProcess, healthy, start_servers, stop_servers, wait_urls
@@ -59,12 +61,6 @@ def _route_address(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((parsed.hostname, parsed.port or 80))
         return s.getsockname()[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def assign(prompts: Sequence[Sequence[int]], engines: int) -> list[int]:
@@ -198,7 +194,7 @@ class VLLMServerGenerator:
         """The gloo group of rank 0 and every server worker (first sync)."""
         sizes = [int(self._get(url, "/get_world_size")["world_size"]) for url in self.urls]
         host = self.settings.transfer_host or _route_address(self.urls[0])
-        port = _free_port()
+        port = free_port("")
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         timeout = self.settings.sync_timeout_s

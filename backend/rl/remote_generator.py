@@ -26,13 +26,13 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from backend.distributed.setup import free_port
 from backend.generators import transport
 from backend.generators.results import Rollout
 
@@ -43,12 +43,6 @@ GENERATOR_THREADS = 1
 #: How long one weight broadcast may take (both sides are ready when it starts: the trainer sends
 #: weights only to an idle generator). A reply is awaited as long as the process lives.
 TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group(port: int, rank: int):
@@ -69,7 +63,7 @@ class RemoteGenerator:
         self, hf_config: dict, metadata, *, device: torch.device, vocab_limit=None, stop_token_ids=(), threads: int = 1
     ):
         self.metadata = [(name, dtype, tuple(shape)) for name, dtype, shape in metadata]
-        port = _free_port()
+        port = free_port()
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         spec = {

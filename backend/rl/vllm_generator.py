@@ -25,14 +25,8 @@ The optional extra ``vllm`` (CUDA only). Same interface as ``generate.HFGenerato
 - Either way the prefix cache is reset after an update (its KV was computed by the old weights;
   prompts of 128+ tokens reused it), and ``check_weights`` compares the engine's log-probabilities
   of a probe sequence with the trainer's after every sync: a stale engine is an error.
-- No partial prefill on CPU: a step whose prompts together exceed ``max_num_batched_tokens``
-  (4,096 by default: 64 prompts of 66 tokens) has its last request prefilled in chunks, and vLLM
-  then rewinds that request's seeded generator (``gen.set_offset``), which only CUDA generators
-  have ("CPU Generator does not use offset": the step died). On CPU the engine schedules at most
-  ``max_num_seqs`` requests a step with a token budget of ``max_num_seqs x max_model_len``, so
-  every scheduled prompt fits whole (no chunk, no rewind, the same draws for a seed); the budget
-  is kept under ``CPU_TOKEN_BUDGET`` tokens by scheduling fewer requests a step when
-  ``max_model_len`` (``data.max_seq_length``) is long. CUDA keeps vLLM's defaults.
+- No partial prefill on CPU: ``backend.generators.vllm_cpu.cpu_scheduling`` (a chunked, seeded
+  request died there: "CPU Generator does not use offset"). CUDA keeps vLLM's defaults.
 - Sleep (CUDA): the engine starts with ``enable_sleep_mode`` and sleeps (level 1: weights to
   host memory, KV cache dropped) after each generation, so training has the GPU's memory back;
   the next sync, generation or probe wakes it first. vLLM's sleep is a no-op on CPU.
