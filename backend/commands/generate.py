@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{path}: no such directory{hint}")
         from backend.data.tokenizers import build_tokenizer
         from backend.distributed.setup import shutdown_distributed
-        from backend.rl.generate import HFGenerator
+        from backend.generators.hf import HFGenerator
 
         env = None
         try:

@@ -48,10 +48,10 @@ import torch
 from backend.config import ConfigError
 from backend.distributed.collectives import all_gather_objects, dist_any
 from backend.errors import CheckpointError
+from backend.generators.process import GENERATOR_THREADS, stream_dtype
+from backend.generators.results import Completion
 
-from .generate import Completion
 from .loop import GRPOLoop, sampling_seed
-from .remote_generator import GENERATOR_THREADS, stream_dtype
 
 log = logging.getLogger(__name__)
 

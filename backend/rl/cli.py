@@ -34,14 +34,14 @@ def build_generator(worker):
             return VLLMServerGenerator.from_worker(worker, stop_token_ids=stops, sender=True, run_dir=run_dir)
         return VLLMServerGenerator.from_worker(worker, stop_token_ids=stops, run_dir=run_dir)
     if worker.cfg.rl.max_staleness > 0:
-        from .remote_generator import RemoteGenerator
+        from backend.generators.process import RemoteGenerator
 
         return RemoteGenerator.from_worker(worker, stop_token_ids=stops) if worker.env.is_main else None
     if worker.cfg.rl.generator == "vllm":
-        from .vllm_generator import VLLMGenerator
+        from backend.generators.vllm_local import VLLMGenerator
 
         return VLLMGenerator.from_worker(worker, stop_token_ids=stops)
-    from .generate import HFGenerator
+    from backend.generators.hf import HFGenerator
 
     return HFGenerator(
         worker.hf_config(), vocab_limit=worker.sampling_vocab, stop_token_ids=stops, device=worker.env.device
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in (critic, worker):  # metrics flushed and run directories released, whatever happened
                 if w is not None:
                     w.close()
-            if hasattr(generator, "close"):  # an engine that tears down process groups of its own (vLLM)
+            if generator is not None:  # process groups, child processes and servers released
                 generator.close()
             shutdown_distributed(env)
         return EXIT_INTERRUPTED if outcome == "interrupted" else 0

@@ -37,6 +37,7 @@ from backend.config import ConfigError
 from backend.data.errors import DataStreamError
 from backend.data.sampler import WindowSampler
 from backend.distributed.collectives import all_gather_objects
+from backend.generators.base import Probed
 from backend.train.run_loop import run_steps
 
 from .advantages import build_advantage, zero_variance_share
@@ -164,7 +165,7 @@ class GRPOLoop:
         if error:
             raise RuntimeError(f"weight sync into the generator: {error}")
         self.last_sync = stats
-        if hasattr(self.generator, "probe_logprobs"):
+        if isinstance(self.generator, Probed):
             self.last_probe_diff = self.check_sync()
         return self.last_sync
 

@@ -108,7 +108,7 @@ def _rank(rank: int, world: int, tmp: str, rows_path: str) -> dict | None:
         torch.equal(_params(again.trainer.model), _params(worker.trainer.model)),
     )
     # The GRPO loop's rollouts: prompts split over the ranks, gathered, every rank the same rows.
-    from backend.rl.generate import HFGenerator
+    from backend.generators.hf import HFGenerator
     from backend.rl.loop import GRPOLoop
 
     rollouts, _ = GRPOLoop(again, HFGenerator.from_worker(again)).rollouts(step=2)

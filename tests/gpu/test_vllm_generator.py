@@ -21,8 +21,8 @@ pytestmark = [
 
 
 def test_vllm_generator_samples_with_the_policys_logprobs(world, tmp_path):
+    from backend.generators.vllm_local import VLLMGenerator
     from backend.rl import PolicyWorker
-    from backend.rl.vllm_generator import VLLMGenerator
 
     worker = PolicyWorker.from_config(
         TINY, ["loss.type=policy", "loss.old_logprobs=detach", f"logger.run_dir={tmp_path}"], env=world
@@ -45,8 +45,8 @@ def test_the_colocated_engine_sleeps_through_training_and_wakes_for_the_next_syn
     """rl.generator=vllm on CUDA: after a generation the engine sleeps (level 1), so the GPU's free
     memory grows by at least its weights; the next sync wakes it and its log-probabilities are the
     policy's again."""
+    from backend.generators.vllm_local import VLLMGenerator
     from backend.rl import PolicyWorker
-    from backend.rl.vllm_generator import VLLMGenerator
 
     worker = PolicyWorker.from_config(
         TINY, ["loss.type=policy", "loss.old_logprobs=detach", f"logger.run_dir={tmp_path}"], env=world

@@ -21,7 +21,7 @@ import sys
 
 def pin(what: str | None = None) -> None:
     import backend.model.attention.sdpa as sdpa
-    from backend.rl.generate import HFGenerator
+    from backend.generators.hf import HFGenerator
 
     what = set((what or os.environ.get("PINNED") or "kernels,sampler").split(","))
     if "kernels" in what and hasattr(sdpa, "CAUSAL_FAST_PATHS"):

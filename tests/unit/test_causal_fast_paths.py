@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.generators.hf import HFGenerator, inverse_cdf_rows, sample_rows
 from backend.model.attention import sdpa
 from backend.model.attention.context import AttentionContext
 from backend.model.attention.masks import dense_mask
-from backend.rl.generate import HFGenerator, inverse_cdf_rows, sample_rows
 from backend.rl.reward import RewardError, score_all
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from backend.bench.rl_rows import rl_rows
+from backend.generators.hf import HFGenerator
 from backend.rl import PolicyWorker
-from backend.rl.generate import HFGenerator
 from tests.conftest import TINY
 
 OVERRIDES = [

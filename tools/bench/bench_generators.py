@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from backend.rl.generate import HFGenerator
-    from backend.rl.vllm_generator import VLLMGenerator
+    from backend.generators.hf import HFGenerator
+    from backend.generators.vllm_local import VLLMGenerator
 
     torch.set_num_threads(args.threads)
     prompts = [list(f"copy {w}: ".encode()) for w in ("cab", "bad", "dab", "acd", "bca", "dcb", "abc", "cdd")]

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from backend.checkpoint.hf_export import export_checkpoint
+    from backend.generators.hf import HFGenerator
     from backend.rl import PolicyWorker
-    from backend.rl.generate import HFGenerator
 
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
         overrides = [*args.overrides, f"logger.run_dir={tmp}/run", "checkpoint.resume=false", "checkpoint.keep_last=1"]

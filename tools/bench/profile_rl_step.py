@@ -66,7 +66,7 @@ def _arm_process(model_dir: str, run_dir: str, steps: int, changes: list[str], o
         import backend.model.attention.sdpa as sdpa
 
         sdpa.CAUSAL_FAST_PATHS = False
-    from backend.rl.generate import HFGenerator
+    from backend.generators.hf import HFGenerator
 
     if "n_prefills" in changes:
         HFGenerator.share_prompt_prefill = False
