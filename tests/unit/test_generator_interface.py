@@ -52,3 +52,36 @@ def test_old_paths_are_the_same_modules(old, new):
     if new.endswith("vllm_local"):
         pytest.importorskip("vllm", reason="vLLM is not installed")
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_the_server_transport_is_nccl_on_cuda_by_default_and_refused_without_it():
+    from backend.generators.transport import backend
+
+    assert backend("auto", cuda=True) == "nccl"
+    assert backend("auto", cuda=False) == "gloo"
+    assert backend("gloo", cuda=True) == "gloo"
+    with pytest.raises(ValueError, match="rl.vllm_server.transport=nccl needs CUDA"):
+        backend("nccl", cuda=False)
+
+
+def test_a_server_started_for_nccl_takes_vllms_engine_and_not_ours():
+    import json
+
+    from backend.generators.servers import EXTENSION, server_command
+
+    def config(cmd):
+        return json.loads(cmd[cmd.index("--weight-transfer-config") + 1])
+
+    gloo = server_command("m", 1, max_model_len=64, tensor_parallel_size=1, cpu=True)
+    nccl = server_command("m", 1, max_model_len=64, tensor_parallel_size=1, cpu=False, transfer="nccl")
+    assert config(gloo) == {"backend": "gloo"} and EXTENSION in gloo
+    assert config(nccl) == {"backend": "nccl"} and EXTENSION not in nccl
+
+
+def test_a_bad_transport_is_a_config_error_naming_the_key():
+    from backend.config import ConfigError, load_config, validate
+    from tests.conftest import REPO
+
+    cfg = load_config(str(REPO / "configs" / "grpo_demo.yaml"), ["rl.vllm_server.transport=tcp"])
+    with pytest.raises(ConfigError, match=r"rl.vllm_server.transport='tcp': must be one of auto, gloo, nccl"):
+        validate(cfg)

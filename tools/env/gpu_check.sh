@@ -16,7 +16,8 @@
 #    padded and packed on three length sets), and the same arms on the exact Qwen3-4B architecture
 #    (random weights, the short set), and the policy loss's check (tools/compare_arms.py with
 #    loss.type=policy on synthetic rollouts, the ~250M model in BF16: fixed micro-batch size 1 vs
-#    dynamic padded vs packed; objective, gradient and update agreement).
+#    dynamic padded vs packed; objective, gradient and update agreement), and one RL weight sync of
+#    the ~250M model timed (tools/bench/bench_weight_sync.py).
 # Files in OUT_DIR (default: $OUT, else gpu_check_out), at most 8 (what the device returns):
 # environment.txt (with the install log), NAME.log per step (bench_qwen3_4b's JSON is in its log),
 # bench_gpu.json, summary.txt (<= 30 lines).
@@ -115,6 +116,10 @@ step kernels_memory 230 bash -c "'$py' tools/bench/flex_compile_count.py --steps
   && '$py' tools/bench/memory_adversary.py configs/quickstart.yaml $probe_250m train.precision=bf16 data.max_seq_length=2048 \
      train.global_batch_size=256 --fraction 0.5 --steps 12"
 step bench_gpu 120 "$py" tools/bench_train.py --steps 3 --out "$out/bench_gpu.json"
+# One RL weight sync of the ~250M model on the GPU, timed (the stream gathered from FSDP2 and loaded into
+# the generator, against the file round trip): seconds and bytes per sync in its JSON. The servers'
+# NCCL sync needs a second GPU (tests/gpu/test_vllm_server_nccl.py, in gpu_tests above, says so).
+step weight_sync 45 "$py" tools/bench/bench_weight_sync.py configs/grpo_demo.yaml $probe_250m --repeats 2 --json
 step bench_qwen3_4b 100 "$py" tools/bench_train.py --recipe configs/qwen3_4b_dynamic.yaml --sets short --steps 2 --scale 0.25 --json
 rl_tmp=$(mktemp -d)
 trap 'rm -rf "$results" "$rl_tmp"' EXIT
