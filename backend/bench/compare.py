@@ -100,7 +100,8 @@ def worker(argv: list[str]) -> int:
                     record.setdefault(key, []).append(value)
             for key, value in moe_stats.window_metrics(trainer.model, len(data.window_ids), env).items():
                 record.setdefault(key, []).append(value)  # MoE models: aux loss, tokens per expert
-            record["grad"].append(_full_flat(model, [(n, p.grad) for n, p in named]))  # before clipping
+            # before clipping; trained parameters only (LoRA: the frozen base has none)
+            record["grad"].append(_full_flat(model, [(n, p.grad) for n, p in named if p.requires_grad]))
             start = time.perf_counter()
             with trainer.meter.step():
                 update = apply_update(

@@ -26,10 +26,14 @@ import torch
 from backend.data.tokenizers import build_tokenizer
 from backend.distributed.fsdp import full_tensor
 from backend.model.factory import build_model
-from backend.model.hf.export import export_hf_dir
+from backend.model.hf.export import DTYPES, export_hf_dir
+from backend.model.hf.peft import write_adapter
 from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from backend.model.lora import is_adapter, merge_stream
 from backend.model.tensor_parallel import full_param
 
+from .lora_base import base_identity, check_base
+from .meta import read_meta
 from .pp_state import whole_model_tensors
 from .store import load_model_weights
 
@@ -45,6 +49,20 @@ def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         return
     for name, t in model.state_dict().items():
         yield name, full_param(model, name, full_tensor(t)) if isinstance(t, torch.Tensor) else t
+
+
+def export_adapter(model, cfg, out_dir, *, dtype: str = "fp32") -> Path:
+    """``model``'s LoRA adapters (whole tensors) as a PEFT adapter directory."""
+    if cfg.model.head == "value":
+        raise ValueError(
+            "a critic's LoRA checkpoint also trained its value head, which a PEFT adapter of a causal LM cannot "
+            "hold: export it merged (--merge)"
+        )
+    base = str(Path(cfg.model.hf_checkpoint).resolve()) if cfg.model.hf_checkpoint else ""
+    named = ((n, t) for n, t in full_named_tensors(model) if is_adapter(n))
+    out = write_adapter(out_dir, named, cfg.model.lora, base=base, dtype=DTYPES[dtype])
+    log.info("exported the LoRA adapters (PEFT format, %s) to %s", dtype, out)
+    return out
 
 
 def _tokenizer_source(cfg) -> Path | None:
@@ -86,8 +104,10 @@ def export_checkpoint(
     *,
     dtype: str = "bf16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    merge: bool = False,
 ) -> Path:
-    """Write ``step_dir``'s model as a HF directory in ``out_dir``; returns ``out_dir``."""
+    """Write ``step_dir``'s model as a HF directory in ``out_dir``; returns ``out_dir``. A LoRA
+    checkpoint: its adapters in PEFT's format, or with ``merge`` the merged whole model."""
     step_dir = Path(step_dir)
     if not (step_dir / ".metadata").is_file():
         raise FileNotFoundError(f"{step_dir}: not a complete checkpoint (no .metadata); pass a step_* directory")
@@ -95,10 +115,16 @@ def export_checkpoint(
     built = build_model(cfg, env, tokenizer_vocab=vocab, training=False, empty=True)
     fields = export_fields(cfg, built.fields)
     source = _tokenizer_source(cfg)
+    if cfg.model.lora.rank:  # the checkpoint's adapters belong to one base: this run's must be it
+        check_base(read_meta(step_dir), base_identity(cfg), step_dir)
+    elif merge:
+        raise ValueError(f"--merge: {step_dir} is not a LoRA checkpoint (model.lora.rank is 0): nothing to merge")
     load_model_weights(built.model, step_dir)  # model weights only; the optimizer state is not read
+    if cfg.model.lora.rank and not merge:
+        return export_adapter(built.model, cfg, out_dir, dtype=dtype)
     out = export_hf_dir(
         fields,
-        full_named_tensors(built.model),
+        merge_stream(built.model, full_named_tensors(built.model), fields),
         out_dir,
         dtype=dtype,
         source_dir=source,

@@ -85,7 +85,7 @@ def validate_meta(meta: Any, file: Path) -> None:
     unknown = sorted(
         set(meta)
         - {"step", "scheduler", "world_size", "dp_size", "cp_size", "parallel", "data", "wandb_run_id", "config"}
-        - {"caller_state", "nonfinite_steps", "digests"}
+        - {"caller_state", "nonfinite_steps", "digests", "lora_base"}
     )
     if unknown:
         raise bad(f"holds {len(unknown)} unknown key(s) (e.g. {unknown[0][:40]!r})")
@@ -99,6 +99,13 @@ def validate_meta(meta: Any, file: Path) -> None:
             raise bad(f"has {key} of type {_type_name(meta[key])} outside 1..{MAX_COUNT:,}")
     if "digests" in meta and not _valid_digests(meta["digests"]):
         raise bad("has digests that are not {algorithm: xxh3_128, files: {name: hex digest}}")
+    base = meta.get("lora_base")  # a LoRA checkpoint's base: {"source", "digest"} (lora_base.py)
+    if base is not None and not (
+        isinstance(base, dict)
+        and set(base) == {"source", "digest"}
+        and all(isinstance(v, str) and len(v) <= 4096 for v in base.values())
+    ):
+        raise bad("has a lora_base that is not {source, digest} strings")
     if "nonfinite_steps" in meta and not _count(meta["nonfinite_steps"]):
         raise bad("has nonfinite_steps that is not a count")
     parallel = meta.get("parallel")  # every dimension's size (written since ParallelDims; absent before)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from backend.distributed.collectives import dist_any
 from backend.errors import CheckpointError
 
+from .lora_base import check_base
 from .resume_policy import diff_resume_config
 from .safe_dcp import CheckpointLayoutError
 from .store import ResumeError, complete_checkpoints, load_checkpoint, read_meta
@@ -39,10 +40,11 @@ class NoUsableCheckpointError(CheckpointError):
 
 
 def resume_latest(
-    ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env, unread: tuple[str, ...] = ()
+    ckpt_dir: Path, cfg, model, optimizer, scheduler, *, env, unread: tuple[str, ...] = (), base: dict | None = None
 ) -> dict | None:
     """Restore the newest loadable checkpoint in ``ckpt_dir`` in place; its metadata, or None.
-    ``unread``: config keys the driver never reads, whose changes are allowed (``diff_resume_config``)."""
+    ``unread``: config keys the driver never reads, whose changes are allowed (``diff_resume_config``).
+    ``base``: a LoRA run's base (``lora_base.base_identity``), which the checkpoint's must equal."""
     candidates = complete_checkpoints(ckpt_dir)
     tried: list[str] = []
     for path in reversed(candidates):
@@ -53,6 +55,7 @@ def resume_latest(
             reason = str(e)
         if reason is None:
             _check_config(meta, cfg, path, unread)
+            check_base(meta, base, path)
             try:
                 load_checkpoint(
                     path,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backend.distributed.collectives import all_gather_objects
 from backend.errors import CheckpointError
+from backend.model.lora import has_adapters
 
 from .files import check_step_dir, load_rng_file
 from .integrity import ALGORITHM, check, digest_share, mismatches, step_files, verify_step
@@ -92,17 +94,27 @@ def resolve_step_dir(path: str | Path) -> Path:
     return found[-1]
 
 
+def state_options(model) -> StateDictOptions | None:
+    """LoRA (``backend.model.lora``): a checkpoint holds the trained parameters only (the adapters,
+    a critic's head) and their optimizer state, never the frozen base again: it is named by its
+    source and digest in ``meta.json`` (``lora_base``) and rebuilt from it. None: everything."""
+    if not has_adapters(model):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def load_model_weights(model, step_dir: str | Path) -> None:
     """Only the model's weights from one of our checkpoints, pickle-free (``safe_load``); the
     optimizer state in it is not read. For forward-only models: log-probabilities, references, export."""
     check_step_dir(step_dir)
     verify_step(Path(step_dir))
-    model_sd = get_model_state_dict(model)
+    options = state_options(model)
+    model_sd = get_model_state_dict(model, options=options)
     whole, _, swapped = to_whole_layout(model, model_sd, fill=False)  # tensor parallelism: whole tensors on disk
     whole, _ = to_whole_names(model, whole, saving=False)  # pipeline parallelism: the whole model's names
     safe_load({"model": whole}, step_dir)
     from_whole_layout(model, swapped)
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=options)
 
 
 def save_checkpoint(
@@ -129,7 +141,7 @@ def save_checkpoint(
         clear_path(tmp)
         tmp.mkdir()
     dist.barrier(group=env.group("world"))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_options(model))
     model_sd, optim_sd, _ = to_whole_layout(model, model_sd, optim_sd, fill=True)  # TP: the whole tensors' layout
     model_sd, optim_sd = to_whole_names(model, model_sd, optim_sd, env=env, saving=True)  # PP: the whole model's names
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -213,12 +225,13 @@ def load_checkpoint(
             f"order and plans; keep the layout, or set checkpoint.allow_dp_change=true to accept a new order "
             f"(context-parallel size must match)"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = state_options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     whole_model, whole_optim, swapped = to_whole_layout(model, model_sd, optim_sd, fill=False)
     whole_model, whole_optim = to_whole_names(model, whole_model, whole_optim, saving=False)
     safe_load({"model": whole_model, "optim": whole_optim}, path)
     from_whole_layout(model, swapped)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     restore_scheduler(scheduler, meta["scheduler"], path / META)
     rng_file = path / f"rng_rank{env.rank}.pt"
     if os.path.lexists(rng_file):

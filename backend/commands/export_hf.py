@@ -12,6 +12,11 @@ its ``checkpoints/`` (the newest complete step). --config
 defaults to the run's config.yaml two levels above the step directory (<run>/checkpoints/step_*).
 Overrides apply to that config, e.g. ``model.hf_checkpoint=''`` when the imported checkpoint has
 moved (its architecture is in config.yaml; tokenizer files are then not copied).
+
+A LoRA checkpoint (``model.lora.rank`` > 0) is written in PEFT's format: adapter_config.json and
+adapter_model.safetensors, which ``PeftModel.from_pretrained(base, OUTPUT)`` loads onto the base
+(its path is in the config as base_model_name_or_path). With ``--merge`` it is written as a whole
+Hugging Face model instead, each adapter merged into its weight (W + (alpha / r) B A).
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="the Hugging Face directory to write (new or empty)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--max-shard-size", default="5GB", type=parse_size)
+    p.add_argument(
+        "--merge", action="store_true", help="a LoRA checkpoint: the merged whole model, not the PEFT adapter"
+    )
     args = p.parse_args(argv)
 
     import logging
@@ -120,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(1, cfg.parallel.backend)
         try:
             out = export_checkpoint(
-                step_dir, cfg, args.output, env, dtype=args.dtype, max_shard_bytes=args.max_shard_size
+                step_dir,
+                cfg,
+                args.output,
+                env,
+                dtype=args.dtype,
+                max_shard_bytes=args.max_shard_size,
+                merge=args.merge,
             )
         except (FileNotFoundError, ValueError) as e:
             raise UserError(str(e)) from e

@@ -85,6 +85,29 @@ class RopeScalingConfig:
         return cls(**scaling)
 
 
+#: LoRA's targets: the Hugging Face projection names (model.lora.target_modules' allowed values).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA (``backend/model/lora.py``): low-rank adapters beside a frozen base, one pair (A, B)
+    per Hugging Face projection, exported in PEFT's format. Off at rank 0."""
+
+    # The adapters' rank r; 0 = off (every weight trained).
+    rank: int = 0
+    # The update is (alpha / r) * B A (PEFT's lora_alpha; rsLoRA's sqrt(r) is not used).
+    alpha: float = 16.0
+    # Dropout on the adapters' input (training only); 0 keeps TP and DP runs equal to one process.
+    dropout: float = 0.0
+    # Which projections get adapters (Hugging Face names): q_proj, k_proj, v_proj, o_proj,
+    # gate_proj, up_proj, down_proj (default all seven; MoE models: attention only).
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from
+    # instead of new adapters (A random, B 0); its rank, alpha and targets must be these.
+    adapter: str = ""
+
+
 @dataclass
 class ModelConfig:
     """A Llama / Qwen3 / Qwen2-style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention."""
@@ -165,6 +188,8 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # GPT-OSS expert activation: alpha in the formula above.
     swiglu_alpha: float = 1.702
+    # ---- LoRA: train low-rank adapters, the base frozen (off at model.lora.rank=0) ----
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

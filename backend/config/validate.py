@@ -16,6 +16,7 @@ from .schema import (
     DP_WRAPPERS,
     FUSED_LOGITS_KERNELS,
     KL_ESTIMATORS,
+    LORA_TARGETS,
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
     MEMORY_METERS,
@@ -206,6 +207,39 @@ def _vllm_server_errors(rl) -> list[str]:
     return errors
 
 
+def _lora_errors(m) -> list[str]:
+    """model.lora.*: off at rank 0 (then nothing else is read)."""
+    lora = m.lora
+    if lora.rank < 0:
+        return [f"model.lora.rank={lora.rank}: must be >= 0 (0 = off)"]
+    if not lora.rank:
+        changed = [f"model.lora.{k}" for k in ("adapter",) if getattr(lora, k)]
+        return [f"{', '.join(changed)}: only read with model.lora.rank > 0"] if changed else []
+    errors = []
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        errors.append(f"model.lora.alpha={lora.alpha}: must be > 0")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
+    targets = list(lora.target_modules)
+    for t in targets:
+        if t in ("lm_head", "embed_tokens"):
+            errors.append(
+                f"model.lora.target_modules: {t}: adapters on the embedding or the output layer (tied to it in most "
+                f"models) are not supported; allowed values are {', '.join(LORA_TARGETS)}"
+            )
+        elif t not in LORA_TARGETS:
+            errors.append(f"model.lora.target_modules: {t!r}: allowed values are {', '.join(LORA_TARGETS)}")
+    if not targets or len(set(targets)) != len(targets):
+        errors.append(f"model.lora.target_modules={targets}: one or more of {', '.join(LORA_TARGETS)}, each once")
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if m.num_moe_experts and mlp:
+        errors.append(
+            f"model.lora.target_modules: {', '.join(mlp)}: adapters on MoE experts are not supported (model "
+            "has model.num_moe_experts); target the attention projections q_proj, k_proj, v_proj, o_proj"
+        )
+    return errors
+
+
 def _rope_errors(m) -> list[str]:
     r = m.rope_scaling
     if r.rope_type not in _ROPE_REQUIRED:
@@ -390,6 +424,7 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     if head_dim % 2:
         errors.append(f"model.head_dim={head_dim}: RoPE needs an even head size")
     errors += _rope_errors(m)
+    errors += _lora_errors(m)
     errors += _moe_attention_errors(m)
     errors += _loss_errors(cfg, from_memory)
     cp = cfg.parallel.context_parallel_size

@@ -343,6 +343,8 @@ def format_startup_summary(info: dict) -> str:
             steps += f" (resuming after step {info['start_step']})"
     rows.append(("steps", steps))
     rows.append(("loss", info.get("loss")))
+    if info.get("lora"):
+        rows.append(("lora", info["lora"]))
     rows.append(("schedule", info.get("schedule")))
     rows.append(("run dir", info.get("run_dir")))
     return _block("run", rows)

@@ -187,4 +187,14 @@ def build_gpt(
         from .moe_stats import install
 
         install(model, model_cfg.moe_aux_loss_coeff)
+    if model_cfg.lora.rank:  # adapters beside the targeted layers, the rest frozen (values: lora.init_adapters)
+        from .lora import attach, freeze_base
+
+        geometry = dict(
+            num_attention_heads=model_cfg.num_attention_heads,
+            num_query_groups=model_cfg.num_query_groups,
+            head_dim=config.kv_channels,
+        )
+        attach(model, model_cfg.lora, fields=geometry, tp=tp, sequence_parallel=bool(sequence_parallel))
+        freeze_base(model, value_head=is_value_head(model_cfg))
     return model

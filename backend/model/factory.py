@@ -33,6 +33,8 @@ from .fields import is_value_head, model_fields
 from .forward import OutputSettings, output_settings, set_output_settings
 from .hf.load import has_value_head, init_value_head, load_hf_weights
 from .hf.mapping import VALUE_HEAD
+from .lora import is_adapter
+from .lora_source import start_adapters
 from .output import install_chunked_output
 from .pipeline_stage import StageNames, copy_from_whole, stage_names
 from .recompute import apply_recompute
@@ -147,6 +149,8 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     ``training=False`` (forward-only tools) admits backends without a backward (flex on CPU).
     ``empty=True`` allocates the shards without initialising them, for a caller that fills every
     parameter itself (from one of our checkpoints: export, log-probabilities of a trained model).
+    With LoRA (``model.lora.rank``) our checkpoints hold the adapters only: the base is then
+    loaded as without ``empty`` and only the adapters are left to the caller.
     """
     m = cfg.model
     if m.num_moe_experts and cfg.parallel.expert_parallel_size != env.ep_size:  # a dense model has no experts to place
@@ -173,8 +177,13 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
     if stage is not None:  # the whole model's count (a stage's slices are counted by the summary)
         whole_meta = _meta_model(cfg, vocab, backend, env)
         num_parameters = whole_numel(record_layout(whole_meta, env.group("tp"), ep_size=env.ep_size), whole_meta)
+    lora = m.lora.rank > 0
+    if lora and empty:  # the checkpoint holds the adapters only: the base comes from its source
+        empty = False
+    adapters = ()
     if hf_dir or empty:
         model = _meta_model(cfg, vocab, backend, env, stage)
+        adapters = tuple(n for n, _ in model.named_parameters() if is_adapter(n))
         _check_no_buffers(model)
         stage_count = whole_numel(
             record_layout(model, env.group("tp"), ep_size=env.ep_size), model
@@ -188,14 +197,14 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         elif fields.get("head") == "value" and not has_value_head(hf_dir):
             # a critic from a causal LM: its decoder, and a new head (the causal LM's lm_head unused)
             decoder_only = {**{k: v for k, v in fields.items() if k != "head"}, "tie_embeddings": True}
-            load_hf_weights(model, hf_dir, decoder_only, skip=VALUE_HEAD, stage=stage)
+            load_hf_weights(model, hf_dir, decoder_only, skip=(*VALUE_HEAD, *adapters), stage=stage)
             if stage is None or stage.post:  # the head lives on the last pipeline stage
                 init_value_head(model, std=cfg.model.init_method_std, seed=cfg.train.seed)
             source = (
                 f"weights from {hf_dir}, value head initialised N(0, {cfg.model.init_method_std:g}) from train.seed"
             )
         else:
-            load_hf_weights(model, hf_dir, fields, stage=stage)
+            load_hf_weights(model, hf_dir, fields, stage=stage, skip=adapters)
             source = f"weights from {hf_dir}"
     else:
         model = build_gpt(
@@ -217,6 +226,8 @@ def build_model(cfg, env, *, tokenizer_vocab: int, training: bool = True, empty:
         apply_recompute(model, m.recompute_granularity)
         model = wrap_fsdp(model, env, bf16=bf16, expert_modules=place_experts(model, env))
         source = f"initialised from train.seed={cfg.train.seed}"
+    if lora:
+        source += "; " + start_adapters(model, cfg, stage)
     if stage is not None:
         model.stage_names = stage
         model.activation_dtype = torch.bfloat16 if bf16 else torch.float32  # what crosses between stages

@@ -86,6 +86,7 @@ def record_layout(model: torch.nn.Module, group, *, ep_size: int = 1) -> TPLayou
                 layout.splits[name] = (int(p.partition_dim), int(getattr(p, "partition_stride", 1)))
             elif (
                 getattr(p, "sequence_parallel", False)
+                or getattr(p, "partial_over_tp", False)  # LoRA: A of a column-parallel layer (lora.py)
                 or "q_layernorm" in name
                 or "k_layernorm" in name
                 or ".mlp.router." in name  # MoE under TP: each rank routes its own slice of the tokens

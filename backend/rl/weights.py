@@ -20,6 +20,7 @@ import torch
 
 from backend.checkpoint.hf_export import full_named_tensors
 from backend.model.hf.export import DTYPES, hf_tensors
+from backend.model.lora import merge_stream
 from backend.model.tensor_parallel import whole_shape
 
 
@@ -43,11 +44,14 @@ def _meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def weight_metadata(model: torch.nn.Module, fields: dict, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(HF name, dtype, shape) of every tensor ``hf_weights`` yields, in its order; no collective."""
     torch_dtype = export_dtype(dtype, model)
-    return [(n, t.dtype, tuple(t.shape)) for n, t in hf_tensors(_meta(model), fields, dtype=torch_dtype, device="meta")]
+    named = merge_stream(model, _meta(model), fields)
+    return [(n, t.dtype, tuple(t.shape)) for n, t in hf_tensors(named, fields, dtype=torch_dtype, device="meta")]
 
 
 def hf_weights(
     model: torch.nn.Module, fields: dict, dtype=None, *, device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) one parameter at a time, on ``device``, cast to ``dtype``."""
-    yield from hf_tensors(full_named_tensors(model), fields, dtype=export_dtype(dtype, model), device=device)
+    """(HF name, full tensor) one parameter at a time, on ``device``, cast to ``dtype``; with LoRA
+    each targeted weight merged with its adapters (W + (alpha / r) B A: what the generators run)."""
+    named = merge_stream(model, full_named_tensors(model), fields)
+    yield from hf_tensors(named, fields, dtype=export_dtype(dtype, model), device=device)

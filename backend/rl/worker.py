@@ -21,6 +21,7 @@ arrays, validated by the same parser as a data file (a bad row names ``rows[i]``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ from backend.distributed.collectives import all_gather_objects
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_from_config, shutdown_distributed
 from backend.errors import UserError
+from backend.model.lora import adapters_off
 from backend.train.engine import Engine
 from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
@@ -272,7 +274,10 @@ class PolicyWorker(TrainerWorker):
             raise ValueError(f"model={model!r}: allowed values are {', '.join(MODELS)}")
         if model == "reference":
             if self.trainer.reference is None:
-                raise ConfigError("model='reference': set loss.reference_checkpoint to load a reference model")
+                raise ConfigError(
+                    "model='reference': set loss.reference_checkpoint to load a reference model (or, with LoRA, "
+                    "loss.kl_coef > 0: the base is the reference)"
+                )
             return self.trainer.reference
         return self.trainer.model
 
@@ -291,7 +296,8 @@ class PolicyWorker(TrainerWorker):
         planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         temperature = cfg.loss.temperature if temperature is None else temperature
-        values = compute_logprobs(self._model(model), samples, env, planner, temperature=temperature)
+        with adapters_off(self._model(model)) if model == "reference" else contextlib.nullcontext():
+            values = compute_logprobs(self._model(model), samples, env, planner, temperature=temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
 
     def weight_metadata(self, dtype=None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from backend.batching.memory_fit import BUDGET_QUANTUM, BudgetError
+from backend.checkpoint.lora_base import share_base_identity
 from backend.checkpoint.metrics_rewind import rewind_metrics
 from backend.checkpoint.resume import resume_latest
 from backend.checkpoint.run_lock import hold_run_dirs
@@ -37,6 +38,7 @@ from backend.distributed.setup import check_world_matches_allocation, describe_w
 from backend.logging.console import format_end_summary, format_startup_summary
 from backend.logging.metrics import MetricsLogger, plan_metrics
 from backend.loss.registry import build_loss
+from backend.model import lora
 from backend.model.factory import build_model
 
 from .memory_meter import MemoryMeter, resident_tensors
@@ -84,14 +86,15 @@ def describe_tensor_parallel(env) -> str | None:
     )
 
 
-def describe_loss(loss) -> str:
+def describe_loss(loss, lora_base: bool = False) -> str:
     """The start-up summary's loss line: ``cross_entropy`` or the policy loss's settings."""
     if loss.type != "policy":
         return loss.type
     parts = [
         f"policy, clip [{1 - loss.ratio_clip_low:g}, {1 + loss.ratio_clip_high:g}]",
         f"dual clip {loss.dual_clip:g}" if loss.dual_clip else "",
-        f"{loss.kl_estimator} KL x {loss.kl_coef:g} to " + (loss.reference_checkpoint or "rows' ref_logprobs")
+        f"{loss.kl_estimator} KL x {loss.kl_coef:g} to "
+        + (loss.reference_checkpoint or ("the base (LoRA adapters off)" if lora_base else "rows' ref_logprobs"))
         if loss.kl_coef
         else "",
         f"entropy x {loss.entropy_coef:g}" if loss.entropy_coef else "",
@@ -171,11 +174,17 @@ class Engine:
         self.planner = planner_from_config(cfg.train, env.dims, bucket_edges=edges)
         self.objective = build_loss(cfg.loss)  # loss.type's objective, handed to every step
         self.policy = cfg.loss.type == "policy"
+        # The KL penalty's reference: loss.reference_checkpoint, or with LoRA the policy itself run
+        # with its adapters off (rollout.fill_window runs every reference so): no second copy.
+        self.reference_is_base = bool(
+            cfg.model.lora.rank and cfg.loss.type == "policy" and cfg.loss.kl_coef and not cfg.loss.reference_checkpoint
+        )
         self.reference = (
             build_reference(cfg, env, tokenizer_vocab=self.tokenizer.vocab_size)
             if cfg.loss.reference_checkpoint
-            else None
+            else (self.model if self.reference_is_base else None)
         )
+        self.lora_base = share_base_identity(cfg, env)
         self.build_stream(cfg)
 
         self.step = 0
@@ -184,7 +193,14 @@ class Engine:
         self.resumed_meta: dict | None = None  # the checkpoint's meta.json when this run resumed
         if cfg.checkpoint.resume and (
             meta := resume_latest(
-                self.ckpt_dir, cfg, self.model, self.optimizer, self.scheduler, env=env, unread=self.unread_keys()
+                self.ckpt_dir,
+                cfg,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                env=env,
+                unread=self.unread_keys(),
+                base=self.lora_base,
             )
         ):
             self.step = meta["step"]
@@ -382,7 +398,10 @@ class Engine:
             "start_step": self.step,
             "schedule": f"{cfg.scheduler.type}, warm-up {cfg.scheduler.warmup_iters}",
             "run_dir": str(self.run_dir),
-            "loss": describe_loss(cfg.loss),
+            "loss": describe_loss(cfg.loss, lora_base=self.reference_is_base),
+            "lora": lora.describe(cfg.model.lora, lora.trainable_count(self.model), self.num_parameters)
+            if cfg.model.lora.rank
+            else None,
         }
 
     def end_summary(self, status: str) -> None:
@@ -523,6 +542,8 @@ class Engine:
             "nonfinite_steps": self.nonfinite_steps,
             "config": dataclasses.asdict(self.cfg),
         }
+        if self.lora_base is not None:  # the base these adapters belong to (lora_base.check_base)
+            extra["lora_base"] = self.lora_base
         if state is not None:
             extra["caller_state"] = state
         self.last_checkpoint = save_checkpoint(

@@ -66,7 +66,7 @@ def _is_dtensor(param) -> bool:
 def _contiguous_rows(param) -> bool:
     """A _StridedShard(0, split_factor=f) is one block of rows only when f is the number of shards
     the later mesh dimensions cut dim 0 into (FSDP2 over expert_dp inside the EP shard); any other
-    layout is read whole and sliced (``_fill``), never misplaced."""
+    layout is read whole and sliced (``fill_param``), never misplaced."""
     mesh, placements = param.device_mesh, param.placements
     for i, p in enumerate(placements):
         factor = getattr(p, "split_factor", None)
@@ -108,7 +108,7 @@ def _check_shape(pm, shape: tuple, param, expected: tuple | None = None) -> None
         )
 
 
-def _fill(param, full: torch.Tensor) -> None:
+def fill_param(param, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter, or this rank's shard of it (no communication)."""
     if _is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
@@ -132,8 +132,8 @@ def init_value_head(model: torch.nn.Module, *, std: float, seed: int) -> None:
     params = {_strip(n): p for n, p in model.named_parameters()}
     weight, bias = params["output_layer.weight"], params["output_layer.bias"]
     g = torch.Generator().manual_seed(seed)
-    _fill(weight, (torch.randn(tuple(weight.shape), generator=g) * std).to(weight.dtype))
-    _fill(bias, torch.zeros(tuple(bias.shape), dtype=bias.dtype))
+    fill_param(weight, (torch.randn(tuple(weight.shape), generator=g) * std).to(weight.dtype))
+    fill_param(bias, torch.zeros(tuple(bias.shape), dtype=bias.dtype))
 
 
 @torch.no_grad()
@@ -178,7 +178,9 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
             if split is not None:  # another tensor-parallel slice: the whole tensor read, this rank's slice kept
                 full = pm.to_megatron(ckpt.get_many(pm.hf))
                 _check_shape(pm, tuple(full.shape), param, whole_shape(model, local_of[pm.megatron], param.shape))
-                _fill(param, slice_of_whole(full, *split, dist.get_rank(layout.group), layout.size).to(param.dtype))
+                fill_param(
+                    param, slice_of_whole(full, *split, dist.get_rank(layout.group), layout.size).to(param.dtype)
+                )
                 del full
                 continue
             if experts.is_expert(pm.hf[0]):  # stacked [E, ...]: per-expert maps, so a slice of E maps alike
@@ -186,7 +188,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
                 part = pm.to_megatron([experts.get(pm.hf[0], rows)])
                 _check_shape(pm, (experts.experts(pm.hf[0]), *part.shape[1:]), param)
                 if rows is None:
-                    _fill(param, part.to(param.dtype))
+                    fill_param(param, part.to(param.dtype))
                 else:
                     param.to_local().copy_(part.to(param.dtype))
                 continue
@@ -197,7 +199,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, fields: dict, *,
                 continue
             full = pm.to_megatron(ckpt.get_many(pm.hf))
             _check_shape(pm, tuple(full.shape), param)
-            _fill(param, full.to(param.dtype))
+            fill_param(param, full.to(param.dtype))
             del full
         if stage is None:  # a stage reads its own tensors only: the others are the other stages'
             ckpt.check_consumed(ignorable_hf_names(fields))
