@@ -31,7 +31,7 @@ def load(config: str, overrides: list[str], dp: int):
 
     cfg = load_config(config, overrides)
     cfg = validate(cfg, dp * cfg.parallel.context_parallel_size)
-    build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
+    build = functools.partial(build_dataset, fields=row_fields(cfg.loss, lora=cfg.model.lora.rank > 0))
     dataset, _, tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
     return cfg, dataset, tokenizer
 

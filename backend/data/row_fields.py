@@ -39,8 +39,9 @@ class RowFields:
 PASS_THROUGH = RowFields(read=POLICY_FIELDS, refuse=(), why="")
 
 
-def row_fields(loss_cfg) -> RowFields:
-    """The fields a training run with ``loss_cfg`` (the ``loss`` config section) needs."""
+def row_fields(loss_cfg, *, lora: bool = False) -> RowFields:
+    """The fields a training run with ``loss_cfg`` (the ``loss`` config section) needs. ``lora``
+    (``model.lora.rank`` > 0): the KL penalty's reference is the base, computed, not read."""
     if loss_cfg is None or loss_cfg.type == "cross_entropy":
         return RowFields()
     if loss_cfg.type == "value":
@@ -52,7 +53,7 @@ def row_fields(loss_cfg) -> RowFields:
     if loss_cfg.old_logprobs == "data":
         needed.append("old_logprobs")
         why.append("loss.old_logprobs=data")
-    if loss_cfg.kl_coef > 0 and not loss_cfg.reference_checkpoint:
+    if loss_cfg.kl_coef > 0 and not loss_cfg.reference_checkpoint and not lora:
         needed.append("ref_logprobs")
         why.append("loss.kl_coef>0 without loss.reference_checkpoint")
     if loss_cfg.old_logprobs == "rollout":

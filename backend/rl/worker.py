@@ -193,7 +193,7 @@ class TrainerWorker:
             rows,
             self.tokenizer,
             cfg.data,
-            fields=row_fields(cfg.loss),
+            fields=row_fields(cfg.loss, lora=cfg.model.lora.rank > 0),
             limit=True,
             what="train_step rows",
             vocab=self.row_vocab,

@@ -34,7 +34,7 @@ class Trainer(Engine):
     meter_cpu_by_default = True  # the data stream's steps are measured on CPU too (train.memory_meter=auto)
 
     def build_data(self, cfg):
-        build = functools.partial(build_dataset, fields=row_fields(cfg.loss))
+        build = functools.partial(build_dataset, fields=row_fields(cfg.loss, lora=cfg.model.lora.rank > 0))
         if cfg.data.blend:
             build = functools.partial(build_blend, build=build)
         self.dataset, self.valid, tokenizer = build_train_and_valid(cfg.data, cfg.train.seed, build=build)
