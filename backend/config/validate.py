@@ -16,6 +16,7 @@ from .schema import (
     DP_WRAPPERS,
     FUSED_LOGITS_KERNELS,
     KL_ESTIMATORS,
+    LORA_SYNCS,
     LORA_TARGETS,
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
@@ -457,6 +458,14 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
             "rl.max_staleness=0)"
         )
     errors += _vllm_server_errors(cfg.rl)
+    if cfg.rl.lora_sync not in LORA_SYNCS:
+        errors.append(f"rl.lora_sync={cfg.rl.lora_sync!r}: allowed values are {', '.join(LORA_SYNCS)}")
+    elif cfg.rl.lora_sync == "adapter" and not (cfg.model.lora.rank and cfg.rl.generator == "vllm"):
+        errors.append(
+            f"rl.lora_sync=adapter: sends LoRA adapters to the in-process vLLM engine, so it needs model.lora.rank > 0 "
+            f"and rl.generator=vllm (model.lora.rank={cfg.model.lora.rank}, rl.generator={cfg.rl.generator}); the "
+            "other generators take merged weights (rl.lora_sync=merged)"
+        )
     if any(not isinstance(t, int) or t < 0 for t in cfg.rl.stop_token_ids):
         errors.append(f"rl.stop_token_ids={cfg.rl.stop_token_ids}: must be token ids (whole numbers >= 0)")
     errors += _blend_errors(cfg.data)

@@ -21,6 +21,10 @@ class SyncStats:
     bytes: int
     seconds: float
 
+    def plus(self, other: SyncStats) -> SyncStats:
+        """Two loads of one sync (the base, then LoRA adapters) as one."""
+        return SyncStats(self.tensors + other.tensors, self.bytes + other.bytes, self.seconds + other.seconds)
+
 
 @dataclass
 class Rollout:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -52,6 +53,17 @@ import torch
 from backend.generators.hf import checked_stream
 from backend.generators.results import Completion, SyncStats
 from backend.generators.vllm_cpu import CPU_TOKEN_BUDGET, cpu_scheduling  # noqa: F401 (kept importable here)
+
+#: vLLM's allowed ``max_lora_rank`` values (its ``MaxLoRARanks``).
+LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for slot in LORA_RANK_SLOTS:
+        if rank <= slot:
+            return slot
+    raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {LORA_RANK_SLOTS[-1]}")
 
 
 class VLLMGenerator:
@@ -65,6 +77,7 @@ class VLLMGenerator:
         gpu_memory_utilization: float | None = None,
         bucket_bytes: int = 512 * 2**20,
         expected: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+        lora=None,
         **engine_kwargs,
     ):
         self.cpu = not torch.cuda.is_available()
@@ -85,6 +98,11 @@ class VLLMGenerator:
         (Path(self._dir.name) / "config.json").write_text(json.dumps(hf_config), encoding="utf-8")
         if not self.cpu:  # sleep between generations (module docstring); a no-op on CPU
             engine_kwargs.setdefault("enable_sleep_mode", True)
+        self.lora = lora  # model.lora with rl.lora_sync=adapter: the engine applies the adapters itself
+        self.lora_request = None
+        self._adapters = None
+        if lora is not None:
+            engine_kwargs |= dict(enable_lora=True, max_lora_rank=lora_rank_slot(lora.rank), max_loras=1)
         self.sleeps = bool(engine_kwargs.get("enable_sleep_mode"))
         self.asleep = False
         self.llm = LLM(
@@ -109,6 +127,8 @@ class VLLMGenerator:
         dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
         expected = [(name, shape) for name, _, shape in worker.weight_metadata(dtype)]
         kwargs.setdefault("max_model_len", worker.cfg.data.max_seq_length)  # prompt + response never exceed it
+        if worker.cfg.rl.lora_sync == "adapter":
+            kwargs.setdefault("lora", worker.cfg.model.lora)
         return cls(worker.hf_config(dtype), vocab_limit=worker.sampling_vocab, expected=expected, **kwargs)
 
     def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,6 +188,31 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
         return SyncStats(count, size, time.perf_counter() - start)
 
+    def load_adapter(self, adapters: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> SyncStats:
+        """rl.lora_sync=adapter: the LoRA adapters ((whole-model name, full tensor) pairs) written as
+        a PEFT adapter directory and used for every request from now on (vLLM loads adapters from
+        a directory, ``LoRARequest``; a new id per version, so its cache never serves an old one)."""
+        from vllm.lora.request import LoRARequest
+
+        from backend.model.hf.peft import WEIGHTS, write_adapter
+
+        start = time.perf_counter()
+        self.wake()
+        if self._adapters is None:
+            self._adapters = tempfile.TemporaryDirectory(prefix="vllm_lora_")
+        number = (self.lora_request.lora_int_id + 1) if self.lora_request else 1
+        path = Path(self._adapters.name) / f"v{number}"
+        write_adapter(path, list(adapters), self.lora, base="policy")
+        old = self.lora_request
+        self.lora_request = LoRARequest(f"policy-{version if version is not None else number}", number, str(path))
+        self.llm.llm_engine.add_lora(self.lora_request)  # loaded now, not at the next request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        size = (path / WEIGHTS).stat().st_size
+        return SyncStats(2 * len(self.lora.target_modules), size, time.perf_counter() - start)
+
     def close(self) -> None:
         """Shut the engine down now, while torch.distributed is still up. Its shutdown destroys the
         process groups it made and then the default one, the trainer's (vLLM joins the trainer's
@@ -198,7 +243,9 @@ class VLLMGenerator:
 
         self.wake()
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        out = self.llm.generate(
+            [{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False, lora_request=self.lora_request
+        )[0]
         return [float(out.prompt_logprobs[i][t].logprob) for i, t in enumerate(token_ids) if i > 0]
 
     def _params(self, n: int, temperature: float, max_new_tokens: int, seed: int):
@@ -231,7 +278,9 @@ class VLLMGenerator:
             return []
         self.wake()
         params = [self._params(n, temperature, max_new_tokens, s) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+        )
         self.sleep()  # training comes next: its memory back until the next sync
         batches = []
         for out in outs:

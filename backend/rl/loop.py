@@ -151,14 +151,24 @@ class GRPOLoop:
         broadcast, is raised on every rank); an engine that keeps its own copy (vLLM) is then
         checked on a probe sequence."""
         env = self.worker.env
-        stream = self.worker.hf_weights()
+        # rl.lora_sync=adapter: the frozen base once, then only the adapters (the engine applies them)
+        adapter = self.cfg.rl.lora_sync == "adapter"
+        loads = []
+        if not (adapter and self.last_sync is not None):
+            loads.append((self.worker.hf_weights(merged=not adapter), self.generator.load_weights))
+        if adapter:
+            loads.append((self.worker.adapter_weights(), self.generator.load_adapter))
         stats, error = None, None
-        try:
-            stats = self.generator.load_weights(stream, version=self.worker.step)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+        for stream, load in loads:
+            part = None
+            try:
+                part = load(stream, version=self.worker.step) if error is None else None
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
             for _ in stream:  # the other ranks' gathers go on to the end
                 pass
+            if part is not None:
+                stats = part if stats is None else stats.plus(part)
         if env.world_size > 1:
             parts = all_gather_objects((stats, error), group=env.group("world"))
             error = next((e for _, e in parts if e), None)

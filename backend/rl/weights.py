@@ -20,7 +20,7 @@ import torch
 
 from backend.checkpoint.hf_export import full_named_tensors
 from backend.model.hf.export import DTYPES, hf_tensors
-from backend.model.lora import merge_stream
+from backend.model.lora import is_adapter, merge_stream
 from backend.model.tensor_parallel import whole_shape
 
 
@@ -49,9 +49,21 @@ def weight_metadata(model: torch.nn.Module, fields: dict, dtype=None) -> list[tu
 
 
 def hf_weights(
-    model: torch.nn.Module, fields: dict, dtype=None, *, device: str | torch.device = "cpu"
+    model: torch.nn.Module, fields: dict, dtype=None, *, device: str | torch.device = "cpu", merged: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) one parameter at a time, on ``device``, cast to ``dtype``; with LoRA
-    each targeted weight merged with its adapters (W + (alpha / r) B A: what the generators run)."""
-    named = merge_stream(model, full_named_tensors(model), fields)
+    each targeted weight merged with its adapters (W + (alpha / r) B A: what the generators run),
+    or with ``merged=False`` the base alone (an engine that applies the adapters itself)."""
+    if merged:
+        named = merge_stream(model, full_named_tensors(model), fields)
+    else:
+        named = full_named_tensors(model, keep=lambda name: not is_adapter(name))
     yield from hf_tensors(named, fields, dtype=export_dtype(dtype, model), device=device)
+
+
+def adapter_weights(
+    model: torch.nn.Module, *, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(whole-model name, full tensor) of every LoRA adapter parameter (only they are gathered)."""
+    for name, t in full_named_tensors(model, keep=is_adapter):
+        yield name, t.detach().to(device, torch.float32)

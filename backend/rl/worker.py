@@ -304,11 +304,19 @@ class PolicyWorker(TrainerWorker):
         """(HF name, dtype, shape) of each tensor ``hf_weights(dtype)`` yields, in the same order."""
         return weights.weight_metadata(self.trainer.model, self.fields, dtype)
 
-    def hf_weights(self, dtype=None, *, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, dtype=None, *, device=None, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full unsharded tensor) pairs, one parameter at a time, on ``device``
         (default: the model's device); every rank must iterate to the end in lockstep. Bitwise the
-        tensors ``tools/export_hf.py`` writes at the same weights and dtype (None: FP32)."""
-        return weights.hf_weights(self.trainer.model, self.fields, dtype, device=device or self.env.device)
+        tensors ``tools/export_hf.py`` writes at the same weights and dtype (None: FP32). With LoRA
+        the adapters are merged in (``merged=False``: the frozen base alone)."""
+        return weights.hf_weights(
+            self.trainer.model, self.fields, dtype, device=device or self.env.device, merged=merged
+        )
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: (whole-model name, full FP32 tensor) of every adapter parameter, on the CPU (for a
+        PEFT adapter directory); every rank iterates in lockstep, as ``hf_weights``."""
+        return weights.adapter_weights(self.trainer.model)
 
     def hf_config(self, dtype=None) -> dict:
         """The config.json a generator builds its model from (``export_hf`` writes the same)."""
