@@ -3,8 +3,9 @@ Face Qwen3 (real gloo ranks, FP32, 3 steps of cross-entropy, adapters on all sev
 
 - TP 2 (sequence parallel: A of q/k/v and gate/up whole on each rank with its gradient added over
   TP, B split; A of o_proj / down_proj split, B whole with its gradient added over TP) and
-  dp 2 (FSDP2 sharding the adapters beside the frozen base) and PP 2 (each stage its layers'
-  adapters) each train like one process: loss
+  TP 2 without sequence parallelism (the adapters' input copied into the TP region, x A^T summed
+  over TP), dp 2 (FSDP2 sharding the adapters beside the frozen base), CP 2 and PP 2 (each stage
+  its layers' adapters) each train like one process: loss
   within 1e-6 relative, gradient cosine >= 0.999999, weights within FP32 rounding after Adam;
 - the frozen base stays bitwise the imported one on every layout (its updates are exactly 0).
 """
@@ -51,7 +52,13 @@ def one_process(qwen3, embedded_cache):
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("tp2", ["parallel.tensor_parallel_size=2"]), ("dp2", []), ("pp2", ["parallel.pipeline_parallel_size=2"])],
+    [
+        ("tp2", ["parallel.tensor_parallel_size=2"]),
+        ("tp2_no_sp", ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=false"]),
+        ("dp2", []),
+        ("cp2", ["parallel.context_parallel_size=2"]),
+        ("pp2", ["parallel.pipeline_parallel_size=2"]),
+    ],
 )
 def test_lora_trains_at_tp2_and_dp2_as_one_process(qwen3, embedded_cache, one_process, name, extra):
     other = _arm(qwen3, embedded_cache, name, 2, *extra)

@@ -104,6 +104,32 @@ def test_a_peft_adapter_imports_with_pefts_logprobs(world, base, tmp_path):
         )
 
 
+def test_gpt_oss_attention_adapters_import_with_pefts_logits(world, tmp_path):
+    """GPT-OSS (biased q/k/v/o, sinks, MoE experts): adapters on the attention projections only
+    (the experts' are refused by name); a random PEFT adapter gives PEFT's logits."""
+    from tests.helpers.hf_tiny import tiny_gpt_oss_model
+
+    hf = tiny_gpt_oss_model(tmp_path / "gpt_oss")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    torch.manual_seed(3)
+    made = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=attention, init_lora_weights=False)
+    )
+    made.save_pretrained(tmp_path / "adapter")
+    ours = build_from_hf(
+        tmp_path / "gpt_oss",
+        world,
+        "model.lora.rank=4",
+        "model.lora.alpha=8",
+        f"model.lora.target_modules=[{','.join(attention)}]",
+        f"model.lora.adapter={tmp_path / 'adapter'}",
+    )
+    tokens, valid = right_padded_batch()
+    diff = float((our_logits(ours.model, tokens, valid) - hf_logits(made.eval(), tokens, valid))[valid].abs().max())
+    print(f"GPT-OSS attention adapter import: max |logit diff| {diff:.3g}")
+    assert diff <= 1e-4  # as the GPT-OSS import itself (tests/unit/test_hf_gpt_oss_model.py)
+
+
 @pytest.fixture(scope="module")
 def trained(base, embedded_cache):
     """Five LoRA steps on the tiny Qwen3 (rank 8, all seven projections), a checkpoint at step 5."""
