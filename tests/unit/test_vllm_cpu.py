@@ -114,17 +114,27 @@ def test_a_bad_weight_stream_is_refused_naming_the_tensor(loop):
     assert loop.last_probe_diff <= 1e-3
 
 
-def test_the_grpo_demo_learns_with_vllm_sampling(tmp_path):
-    """``python -m backend.rl configs/grpo_demo.yaml rl.generator=vllm`` on a tiny HF Qwen3: the
-    reward rises over 30 steps (flat with ``optimizer.lr=0``), and every step's mean |sampler -
-    trainer| log-probability is under 1e-4 (FP32), the probe check under 1e-3."""
+def _demo_with_vllm(run, *overrides) -> list[dict]:
+    """``python -m backend.rl`` on the demo with rl.generator=vllm; its step rows."""
     import json
     import subprocess
     import sys
 
-    import transformers
-
     from tests.helpers.subprocess_env import subprocess_env
+
+    cmd = [sys.executable, "-m", "backend.rl", DEMO, "rl.generator=vllm", *overrides]
+    cmd += ["checkpoint.interval=0", f"logger.run_dir={run}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_the_grpo_demo_learns_with_vllm_sampling(tmp_path):
+    """``python -m backend.rl configs/grpo_demo.yaml rl.generator=vllm`` on a tiny HF Qwen3: the
+    reward rises over 30 steps (flat with ``optimizer.lr=0``), and every step's mean |sampler -
+    trainer| log-probability is under 1e-4 (FP32), the probe check under 1e-3."""
+
+    import transformers
 
     cfg = transformers.Qwen3Config(
         num_hidden_layers=2,
@@ -142,24 +152,15 @@ def test_the_grpo_demo_learns_with_vllm_sampling(tmp_path):
     runs = {}
     for lr in ("5.0e-3", "0"):
         run = tmp_path / f"run_{lr}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "backend.rl",
-            DEMO,
-            "rl.generator=vllm",
+        runs[lr] = _demo_with_vllm(
+            run,
             f"model.hf_checkpoint={tmp_path / 'hf'}",
             "data.tokenizer=byte",
             "model.attention_backend=sdpa",
             "train.precision=fp32",
             f"optimizer.lr={lr}",
             f"optimizer.min_lr={lr}",
-            "checkpoint.interval=0",
-            f"logger.run_dir={run}",
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=subprocess_env())
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[lr] = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        )
     for lr, rows in runs.items():
         rewards = [r["reward_mean"] for r in rows]
         print(lr, f"reward 1-5 {np.mean(rewards[:5]):.3f}, 26-30 {np.mean(rewards[-5:]):.3f}")
@@ -195,29 +196,10 @@ def test_grpo_with_lora_learns_with_vllm_merged_or_adapter_only(tmp_path, sync):
     adapters, which vLLM applies as a LoRA adapter. Either way the reward rises, the probe check
     holds after every sync (FP32) and the sampler's log-probabilities are the trainer's; adapter
     syncs move under a tenth of the first sync's bytes."""
-    import json
-    import subprocess
-    import sys
 
-    from tests.helpers.subprocess_env import subprocess_env
     from tests.unit.test_rl_loop import LORA_DEMO
 
-    run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "backend.rl",
-        DEMO,
-        "rl.generator=vllm",
-        f"rl.lora_sync={sync}",
-        *LORA_DEMO,
-        "train.train_iters=20",
-        "checkpoint.interval=0",
-        f"logger.run_dir={run}",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    rows = _demo_with_vllm(tmp_path / "run", f"rl.lora_sync={sync}", *LORA_DEMO, "train.train_iters=20")
     rewards = [r["reward_mean"] for r in rows]
     print(sync, f"reward 1-2 {np.mean(rewards[:2]):.3f}, 16-20 {np.mean(rewards[-5:]):.3f}")
     # it learns within a few steps (measured: 0.0, 0.005, 0.078, 0.141, ...), so the first two are the start
