@@ -216,6 +216,14 @@ def adapters_off(model: torch.nn.Module):
             lora.enabled = True
 
 
+def as_reference(model: torch.nn.Module):
+    """``model`` run as the KL penalty's reference: the policy itself with its adapters off when
+    the engine made it its own reference (``model.base_is_reference``, LoRA with no
+    ``loss.reference_checkpoint``); any other reference model as it is (a reference checkpoint
+    of ours with trained adapters keeps them)."""
+    return adapters_off(model) if getattr(model, "base_is_reference", False) else contextlib.nullcontext(model)
+
+
 def has_adapters(model: torch.nn.Module) -> bool:
     return next(layers(model), None) is not None
 

@@ -44,7 +44,7 @@ from backend.distributed.collectives import all_gather_objects
 from backend.distributed.plan_check import check_plan_agreement, check_same_arguments
 from backend.distributed.setup import init_from_config, shutdown_distributed
 from backend.errors import UserError
-from backend.model.lora import adapters_off
+from backend.model.lora import as_reference
 from backend.train.engine import Engine
 from backend.train.forward_only import compute_logprobs, compute_values
 from backend.train.rollout import fill_window
@@ -296,7 +296,7 @@ class PolicyWorker(TrainerWorker):
         planner = self.engine.forward_planner()
         samples = [dataset[i] for i in range(len(dataset))]
         temperature = cfg.loss.temperature if temperature is None else temperature
-        with adapters_off(self._model(model)) if model == "reference" else contextlib.nullcontext():
+        with as_reference(self._model(model)) if model == "reference" else contextlib.nullcontext():
             values = compute_logprobs(self._model(model), samples, env, planner, temperature=temperature)
         return [np.concatenate([np.full(1, np.nan, np.float32), v.astype(np.float32)]) for v in values]
 

@@ -184,6 +184,7 @@ class Engine:
             if cfg.loss.reference_checkpoint
             else (self.model if self.reference_is_base else None)
         )
+        self.model.base_is_reference = self.reference_is_base  # lora.as_reference: its adapters off then
         self.lora_base = share_base_identity(cfg, env)
         self.build_stream(cfg)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from backend.checkpoint.store import load_model_weights, resolve_step_dir
 from backend.data.iterator import StepData
 from backend.model.factory import build_model
-from backend.model.lora import adapters_off
+from backend.model.lora import as_reference
 
 from .forward_only import fill_logprobs
 
@@ -52,12 +52,12 @@ def build_reference(cfg, env, *, tokenizer_vocab: int):
 def fill_window(data: StepData, env, *, policy=None, reference=None, temperature: float = 1.0) -> None:
     """``old_logprobs`` from ``policy`` and ``ref_logprobs`` from ``reference`` (either may be None)
     filled into the window's own microbatches, under its plan, at the sampling ``temperature``
-    (``loss.temperature``), for the file stream and the RL worker alike. The reference runs with
-    any LoRA adapters off: with LoRA it may be the policy itself (its base is the reference)."""
+    (``loss.temperature``), for the file stream and the RL worker alike. With LoRA the reference
+    may be the policy itself, run with its adapters off (``lora.as_reference``)."""
     if policy is not None:
         fill_logprobs(policy, data.microbatches, env, "old_logprobs", temperature=temperature)
     if reference is not None:
-        with adapters_off(reference):
+        with as_reference(reference):
             fill_logprobs(reference, data.microbatches, env, "ref_logprobs", temperature=temperature)
 
 
