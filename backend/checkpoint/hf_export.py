@@ -32,8 +32,7 @@ from backend.model.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES
 from backend.model.lora import is_adapter, merge_stream
 from backend.model.tensor_parallel import full_param
 
-from .lora_base import base_identity, check_base
-from .meta import read_meta
+from .lora_base import check_lora_checkpoint
 from .pp_state import whole_model_tensors
 from .store import load_model_weights
 
@@ -61,7 +60,7 @@ def export_adapter(model, cfg, out_dir, *, dtype: str = "fp32") -> Path:
             "hold: export it merged (--merge)"
         )
     base = str(Path(cfg.model.hf_checkpoint).resolve()) if cfg.model.hf_checkpoint else ""
-    named = ((n, t) for n, t in full_named_tensors(model) if is_adapter(n))
+    named = full_named_tensors(model, keep=is_adapter)
     out = write_adapter(out_dir, named, cfg.model.lora, base=base, dtype=DTYPES[dtype])
     log.info("exported the LoRA adapters (PEFT format, %s) to %s", dtype, out)
     return out
@@ -118,7 +117,7 @@ def export_checkpoint(
     fields = export_fields(cfg, built.fields)
     source = _tokenizer_source(cfg)
     if cfg.model.lora.rank:  # the checkpoint's adapters belong to one base: this run's must be it
-        check_base(read_meta(step_dir), base_identity(cfg), step_dir)
+        check_lora_checkpoint(cfg, env, step_dir)
     elif merge:
         raise ValueError(f"--merge: {step_dir} is not a LoRA checkpoint (model.lora.rank is 0): nothing to merge")
     load_model_weights(built.model, step_dir)  # model weights only; the optimizer state is not read

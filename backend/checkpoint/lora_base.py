@@ -33,9 +33,25 @@ def base_identity(cfg) -> dict | None:
         for p in files:
             h.update(f"{p.name}:{file_digest(p)}\n".encode())
         return {"source": str(root.resolve()), "digest": h.hexdigest()}
-    model = {k: v for k, v in vars(cfg.model).items() if k != "lora"}
+    # the architecture only: keys a resume may change (the attention kernel, recomputation, the
+    # output layer's chunking) are not the base
+    model = {k: v for k, v in vars(cfg.model).items() if k not in RUNTIME_KEYS}
     h.update(json.dumps({"seed": cfg.train.seed, "model": model}, sort_keys=True, default=str).encode())
     return {"source": f"initialised from train.seed={cfg.train.seed}", "digest": h.hexdigest()}
+
+
+#: model.* keys that say how the base runs, not what it is (``resume_policy``'s allowed ones), and the adapters'.
+RUNTIME_KEYS = ("lora", "attention_backend", "recompute_granularity", "logits_chunk_tokens", "logits_fused_kernel")
+
+
+def check_lora_checkpoint(cfg, env, step_dir) -> None:
+    """Before loading ``step_dir``'s adapters onto this run's base (export, log-probabilities,
+    generation, a reference): the base they were trained on must be this one."""
+    if not cfg.model.lora.rank:
+        return
+    from .meta import read_meta
+
+    check_base(read_meta(step_dir), share_base_identity(cfg, env), step_dir)
 
 
 def check_base(meta: dict, identity: dict | None, path) -> None:

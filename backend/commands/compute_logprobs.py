@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if not temperature > 0:
             raise UserError(f"--temperature {temperature}: must be > 0")
 
+        from backend.checkpoint.lora_base import check_lora_checkpoint
         from backend.checkpoint.store import complete_checkpoints, load_model_weights
         from backend.distributed.setup import init_from_config, shutdown_distributed
         from backend.model.factory import build_model
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             built = build_model(cfg, env, tokenizer_vocab=tokenizer.vocab_size, training=False, empty=ckpt is not None)
             model = built.model
             if ckpt is not None:
+                check_lora_checkpoint(cfg, env, ckpt)  # LoRA: its adapters belong to this base
                 load_model_weights(model, ckpt)  # model weights only, shapes checked first; no optimizer state
             elif cfg.model.hf_checkpoint:
                 ckpt = cfg.model.hf_checkpoint

@@ -31,6 +31,7 @@ def _is_hf_dir(path: Path) -> bool:
 def _load_checkpoint(path: Path, overrides: list[str]):
     """(hf_config, (name, tensor) stream, tokenizer spec, vocab_limit) of one of our checkpoints."""
     from backend.checkpoint.hf_export import export_fields, full_named_tensors
+    from backend.checkpoint.lora_base import check_lora_checkpoint
     from backend.checkpoint.store import load_model_weights
     from backend.config import load_config, validate
     from backend.data.tokenizers import build_tokenizer
@@ -39,6 +40,7 @@ def _load_checkpoint(path: Path, overrides: list[str]):
     from backend.model.factory import build_model
     from backend.model.forward import output_settings
     from backend.model.hf.export import hf_config_dict, hf_tensors
+    from backend.model.lora import merge_stream
     from backend.rl.loop import stop_token_ids
 
     from .export_hf import locate
@@ -57,9 +59,10 @@ def _load_checkpoint(path: Path, overrides: list[str]):
     env = init_distributed(1, cfg.parallel.backend)
     vocab = cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
     built = build_model(cfg, env, tokenizer_vocab=vocab, training=False, empty=True)
+    check_lora_checkpoint(cfg, env, step_dir)
     load_model_weights(built.model, step_dir)
     fields = export_fields(cfg, built.fields)
-    weights = hf_tensors(full_named_tensors(built.model), fields, dtype="fp32")
+    weights = hf_tensors(merge_stream(built.model, full_named_tensors(built.model), fields), fields, dtype="fp32")
     limit = output_settings(built.model).vocab_limit
     print(f"model: {step_dir}", file=sys.stderr)
     stops = functools.partial(stop_token_ids, cfg)  # rl.stop_token_ids, the imported model's eos, the EOD

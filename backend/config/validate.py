@@ -221,7 +221,7 @@ def _lora_errors(m) -> list[str]:
         errors.append(f"model.lora.alpha={lora.alpha}: must be > 0")
     if not 0 <= lora.dropout < 1:
         errors.append(f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
-    targets = list(lora.target_modules)
+    targets = [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
     for t in targets:
         if t in ("lm_head", "embed_tokens"):
             errors.append(
@@ -460,6 +460,8 @@ def validate(cfg: Config, world_size: int = 1, *, from_memory: bool = False) -> 
     errors += _vllm_server_errors(cfg.rl)
     if cfg.rl.lora_sync not in LORA_SYNCS:
         errors.append(f"rl.lora_sync={cfg.rl.lora_sync!r}: allowed values are {', '.join(LORA_SYNCS)}")
+    elif cfg.rl.lora_sync == "adapter" and cfg.model.lora.rank > 512:
+        errors.append(f"rl.lora_sync=adapter: vLLM serves LoRA ranks up to 512 (model.lora.rank={cfg.model.lora.rank})")
     elif cfg.rl.lora_sync == "adapter" and not (cfg.model.lora.rank and cfg.rl.generator == "vllm"):
         errors.append(
             f"rl.lora_sync=adapter: sends LoRA adapters to the in-process vLLM engine, so it needs model.lora.rank > 0 "

@@ -202,7 +202,8 @@ class VLLMGenerator:
             self._adapters = tempfile.TemporaryDirectory(prefix="vllm_lora_")
         number = (self.lora_request.lora_int_id + 1) if self.lora_request else 1
         path = Path(self._adapters.name) / f"v{number}"
-        write_adapter(path, list(adapters), self.lora, base="policy")
+        pairs = list(adapters)
+        write_adapter(path, pairs, self.lora, base="policy")
         old = self.lora_request
         self.lora_request = LoRARequest(f"policy-{version if version is not None else number}", number, str(path))
         self.llm.llm_engine.add_lora(self.lora_request)  # loaded now, not at the next request
@@ -211,7 +212,7 @@ class VLLMGenerator:
             shutil.rmtree(old.lora_path, ignore_errors=True)
         self.llm.reset_prefix_cache()
         size = (path / WEIGHTS).stat().st_size
-        return SyncStats(2 * len(self.lora.target_modules), size, time.perf_counter() - start)
+        return SyncStats(len(pairs), size, time.perf_counter() - start)
 
     def close(self) -> None:
         """Shut the engine down now, while torch.distributed is still up. Its shutdown destroys the

@@ -143,6 +143,7 @@ class GRPOLoop:
             )
         self.step_started: float | None = None  # perf_counter where the next step's wall time starts
         self.last_sync = None  # SyncStats of the load that gave the generator its current weights
+        self.base_synced = False  # rl.lora_sync=adapter: the engine holds the frozen base
         self.last_probe_diff = None  # check_sync of that load (engines that keep their own copy)
 
     def sync_weights(self):
@@ -154,7 +155,7 @@ class GRPOLoop:
         # rl.lora_sync=adapter: the frozen base once, then only the adapters (the engine applies them)
         adapter = self.cfg.rl.lora_sync == "adapter"
         loads = []
-        if not (adapter and self.last_sync is not None):
+        if not (adapter and self.base_synced):
             loads.append((self.worker.hf_weights(merged=not adapter), self.generator.load_weights))
         if adapter:
             loads.append((self.worker.adapter_weights(), self.generator.load_adapter))
@@ -174,6 +175,7 @@ class GRPOLoop:
             error = next((e for _, e in parts if e), None)
         if error:
             raise RuntimeError(f"weight sync into the generator: {error}")
+        self.base_synced = True  # every rank agrees (the errors were gathered): adapters only from now on
         self.last_sync = stats
         if isinstance(self.generator, Probed):
             self.last_probe_diff = self.check_sync()

@@ -19,7 +19,9 @@ import time
 from collections import deque
 from pathlib import Path
 
+from backend.checkpoint.lora_base import check_lora_checkpoint
 from backend.checkpoint.store import load_model_weights, resolve_step_dir
+from backend.config.schema import LoRAConfig
 from backend.data.iterator import StepData
 from backend.model.factory import build_model
 from backend.model.lora import as_reference
@@ -35,11 +37,14 @@ def build_reference(cfg, env, *, tokenizer_vocab: int):
     directory, its newest complete one; weights only, pickle-free). Same architecture as the policy."""
     source = Path(cfg.loss.reference_checkpoint)
     if (source / "config.json").is_file():
-        ref_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_checkpoint=str(source)))
+        # a Hugging Face model as it is: no adapters (the policy's model.lora does not apply to it)
+        ref_model = dataclasses.replace(cfg.model, hf_checkpoint=str(source), lora=LoRAConfig())
+        ref_cfg = dataclasses.replace(cfg, model=ref_model)
         model = build_model(ref_cfg, env, tokenizer_vocab=tokenizer_vocab, training=False).model
     else:
         step_dir = resolve_step_dir(source)
         model = build_model(cfg, env, tokenizer_vocab=tokenizer_vocab, training=False, empty=True).model
+        check_lora_checkpoint(cfg, env, step_dir)
         load_model_weights(model, step_dir)
         source = step_dir
     model.requires_grad_(False)

@@ -245,6 +245,15 @@ def test_the_base_did_not_move_and_a_changed_base_is_refused(world, trained, tmp
         check_base(meta, base_identity(other), step)
 
 
+def test_generate_samples_from_a_lora_checkpoint(trained):
+    """tools/generate.py on a LoRA checkpoint: the base from its source, the adapters merged in."""
+    _, run, _ = trained
+    step = str(run / "checkpoints" / "step_00000005")
+    proc = _run("tools/generate.py", step, "--prompt", "def f(x):", "--max-new-tokens", "6", "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1 and len(rows[0]["responses"]) == 1
+
+
 def test_the_run_resumes_from_its_adapters(trained):
     _, run, overrides = trained
     proc = _run("-m", "backend.train", HF_TINY, *overrides, "train.train_iters=6")
