@@ -258,6 +258,21 @@ def test_grpo_with_lora_learns_with_kl_to_its_base_and_stays_flat_at_lr_0(tmp_pa
 
 
 @pytest.mark.distributed
+def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):
+    """PPO with LoRA: the critic (the policy's config, model.lora included) trains its adapters and
+    its new value head, the value loss falls, and its checkpoint holds exactly those."""
+    from backend.checkpoint.safe_dcp import read_metadata_file
+
+    rows = _demo(tmp_path / "ppo", "rl.advantage=gae", "model.lora.rank=8", "train.train_iters=15")
+    vf = [r["vf_loss"] for r in rows]
+    assert np.mean(vf[-5:]) < np.mean(vf[:5]) / 3, vf
+    step = tmp_path / "ppo" / "run" / "critic" / "checkpoints" / "step_00000015"
+    keys = [k for k in read_metadata_file(step / ".metadata").state_dict_metadata if k.startswith("model.")]
+    kept = sorted(k for k in keys if ".adapters." not in k and not k.endswith("_extra_state"))
+    assert kept == ["model.output_layer.bias", "model.output_layer.weight"], kept
+
+
+@pytest.mark.distributed
 def test_ppo_with_a_critic_learns_its_values(tmp_path):
     """rl.advantage=gae on the demo: the critic (a ValueWorker beside the policy, its own run
     directory and checkpoints) lowers its value loss and raises its explained variance, and the
