@@ -200,6 +200,14 @@ class VLLMServerGenerator:
         """The servers that do not answer ``/health`` now (or whose process ended)."""
         return [url for url in self.urls if not healthy(url)]
 
+    def named_silent(self) -> str:
+        """The servers that stopped answering, each named as every other engine error names it
+        ("vLLM server URL"), for an error of the whole group (a broadcast has no single peer)."""
+        silent = self.silent()
+        if not silent:
+            return "every vLLM server still answers /health"
+        return ", ".join(f"vLLM server {url}" for url in silent) + " no longer answer(s) /health"
+
     def _on_every(self, fn, *, what: str) -> list:
         """``fn(url)`` on every server at once (threads); the first failure raised naming its server."""
         with ThreadPoolExecutor(max_workers=max(1, len(self.urls))) as pool:
@@ -258,7 +266,7 @@ class VLLMServerGenerator:
             except Exception as e:
                 raise EngineError(
                     f"the weight-transfer group at {host}:{port} did not form within {timeout:g} s "
-                    f"(rl.vllm_server.sync_timeout_s); servers not answering: {self.silent() or 'none'}: {e}"
+                    f"(rl.vllm_server.sync_timeout_s); {self.named_silent()}: {e}"
                 ) from None
             pending.result()
 
@@ -303,7 +311,7 @@ class VLLMServerGenerator:
                 except Exception as e:
                     raise EngineError(
                         f"weight broadcast to the vLLM servers failed (bounded by rl.vllm_server.sync_timeout_s="
-                        f"{timeout:g}); servers not answering: {', '.join(self.silent()) or 'none'}: {e}"
+                        f"{timeout:g}); {self.named_silent()}: {e}"
                     ) from None
                 answered.result()
             finally:  # on an error, never wait here for a request to a server that may hang

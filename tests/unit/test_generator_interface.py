@@ -85,3 +85,18 @@ def test_a_bad_transport_is_a_config_error_naming_the_key():
     cfg = load_config(str(REPO / "configs" / "grpo_demo.yaml"), ["rl.vllm_server.transport=tcp"])
     with pytest.raises(ConfigError, match=r"rl.vllm_server.transport='tcp': must be one of auto, gloo, nccl"):
         validate(cfg)
+
+
+def test_a_group_error_names_each_silent_server_as_engine_errors_do():
+    """A weight broadcast that fails has no single peer: its error names every server that no
+    longer answers /health, as "vLLM server URL" (what a generate error says), so a run killed in
+    either phase names the engine the same way."""
+    from backend.config.schema import VLLMServerConfig
+    from backend.distributed.setup import free_port
+    from backend.generators.vllm_server import VLLMServerGenerator
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    gen = VLLMServerGenerator([url], [], VLLMServerConfig(), sender=True)
+    assert gen.named_silent() == f"vLLM server {url} no longer answer(s) /health"
+    gen.urls = []
+    assert gen.named_silent() == "every vLLM server still answers /health"
