@@ -310,28 +310,34 @@ def _projection_rows(projections, fields, weight) -> list[int]:
 
 @torch.no_grad()
 def init_adapters(model: torch.nn.Module, seed: int, *, stage=None) -> int:
-    """Every adapter's starting values on ``model`` (plain, or FSDP2-sharded with TP slices): the
-    whole tensor from ``whole_init`` (its whole-model name: the same under any TP or PP), then
-    this rank's slice and shard. Returns the number set."""
+    """Every adapter's starting values on ``model``: ``whole_init`` of each (``fill_adapters``)."""
+    return len(fill_adapters(model, lambda name, shape: whole_init(name, shape, seed), stage=stage))
+
+
+@torch.no_grad()
+def fill_adapters(model: torch.nn.Module, whole_of, *, stage=None) -> list[str]:
+    """Set every adapter of ``model`` (plain, or FSDP2-sharded with TP slices) from
+    ``whole_of(whole-model name, whole shape)``, the whole tensor (the same under any TP or PP),
+    cut to this rank's slice and shard. Returns the whole-model names set."""
     from torch.distributed import get_rank
 
     from .hf.load import fill_param
     from .tensor_parallel import plain_name, slice_of_whole, tp_layout, whole_shape
 
     layout = tp_layout(model)
-    count = 0
+    done = []
     for name, param in model.named_parameters():
         local = plain_name(name)
         if not is_adapter(local):
             continue
         whole_name = local if stage is None else stage.source(local)
-        whole = whole_init(whole_name, whole_shape(model, local, param.shape), seed)
+        whole = whole_of(whole_name, whole_shape(model, local, param.shape))
         split = layout.splits.get(local)
         if split is not None:
             whole = slice_of_whole(whole, *split, get_rank(layout.group), layout.size)
         fill_param(param, whole.to(param.dtype))
-        count += 1
-    return count
+        done.append(whole_name)
+    return done
 
 
 def trainable_count(model: torch.nn.Module) -> int:
